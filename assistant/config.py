@@ -1,0 +1,247 @@
+"""Configuration: frozen dataclasses, one per subsystem, under one `AssistantConfig`.
+
+Values come, lowest precedence first, from the field defaults, an optional TOML file, `ASSISTANT_*`
+environment variables, and finally explicit overrides (the CLI's flags). Everything is checked in
+one place, `AssistantConfig.verify()`, which raises `ConfigError` with a message that says how to fix
+the value.
+
+TOML layout (every key optional)::
+
+    data_dir = "./data"
+    system_prompt = "You are a helpful assistant."
+    [engine]
+    model = "qwen2.5-coder-0.5b"
+    num_threads = 2
+    [server]
+    port = 7860
+
+Environment: `ASSISTANT_DATA_DIR`, `ASSISTANT_MODELS_DIR`, `ASSISTANT_CONFIG` (the TOML path) and
+`ASSISTANT_<SECTION>_<FIELD>` for any section field, e.g. `ASSISTANT_ENGINE_MODEL=large`,
+`ASSISTANT_SERVER_PORT=8000`, `ASSISTANT_STORE_URL=postgresql+psycopg://user@host/db`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from assistant.errors import ConfigError
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful, honest assistant running fully offline on the user's own machine. "
+    "Answer concisely and correctly. If you do not know, say so."
+)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "qwen2.5-coder-0.5b"  # a name from `assistant models list`, a local HF dir, or a .gguf file
+    device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16"
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = one per physical core, capped at 2
+    max_context_tokens: int = 0  # prompt + answer budget; 0 = the model's own context window (capped at 32768)
+    max_new_tokens: int = 512  # default answer length limit when a request does not give one
+    remote_url: str = ""  # an OpenAI-compatible server (vLLM, TGI, ...) instead of the in-process model
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 exposes the chat to the network
+    port: int = 7860  # web chat (and /v1 API) port
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    url: str = ""  # SQLAlchemy URL; "" = SQLite file <data_dir>/assistant.db; postgresql+psycopg://... scales out
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    collection: str = "default"  # Qdrant collection that ingestion writes and retrieval reads
+    qdrant_url: str = ""  # "" = embedded Qdrant Edge under <data_dir>/qdrant; http://host:6333 = a Qdrant server
+    embedder: str = "all-minilm-l6-v2"  # packaged embedder name or a sentence-transformers directory
+    top_k: int = 5  # chunks returned per search
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    image: str = "assistant-sandbox:1"  # locally built image (see `assistant sandbox setup`)
+    runtime: str = "runc"  # "runc" or "runsc" (gVisor)
+    memory_mb: int = 512  # memory limit == memory+swap limit
+    cpus: float = 1.0  # CPU quota
+    pids_limit: int = 64  # max processes inside the container
+    timeout_s: float = 30.0  # wall-clock limit per execution
+    tmpfs_mb: int = 64  # size of the writable /tmp work dir
+    max_output_bytes: int = 65536  # stdout/stderr kept per stream; the rest is cut with a marker
+    idle_reap_s: float = 600.0  # a conversation's warm container is removed after this idle time
+    max_containers: int = 8  # bound on warm containers (LRU evicted)
+
+
+@dataclass(frozen=True)
+class AssistantConfig:
+    data_dir: Path = Path("./data")  # models/, qdrant/, assistant.db, uploads/, logs/ live here
+    models_dir: Path | None = None  # prepared models; None = <data_dir>/models (share one across data dirs)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT  # first message of every conversation
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    # -- derived paths -------------------------------------------------------------------------
+    @property
+    def resolved_models_dir(self) -> Path:
+        return Path(self.models_dir) if self.models_dir is not None else Path(self.data_dir) / "models"
+
+    @property
+    def store_url(self) -> str:
+        return self.store.url or f"sqlite:///{Path(self.data_dir).resolve() / 'assistant.db'}"
+
+    # -- loading -------------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> "AssistantConfig":
+        """Defaults <- TOML file <- ASSISTANT_* env <- overrides ({"data_dir": ..., "engine.model": ...})."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        path = path or env.get("ASSISTANT_CONFIG")
+        if path:
+            values = _read_toml(Path(path))
+        _merge(values, _from_env(env))
+        for key, value in (overrides or {}).items():
+            if value is None:
+                continue
+            section, _, name = key.rpartition(".")
+            (values.setdefault(section, {}) if section else values)[name] = value
+        config = _build(cls, values, where="")
+        config.verify()
+        return config
+
+    def verify(self) -> None:
+        """Raise ConfigError naming the first bad value and how to fix it."""
+        from assistant.models import known_model_names  # local: keeps config free of import cycles
+
+        e, s = self.engine, self.server
+        if not e.remote_url and e.model not in known_model_names() and not _looks_like_path(e.model):
+            raise ConfigError(
+                f"Unknown model {e.model!r} in engine.model. Available: {', '.join(known_model_names())}; "
+                "or give the path of a local Hugging Face model directory or a .gguf file."
+            )
+        if e.device not in ("auto", "cpu", "cuda") and not e.device.startswith("cuda:"):
+            raise ConfigError(f"engine.device={e.device!r} is not valid: use auto, cpu, cuda or cuda:N.")
+        if e.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"engine.dtype={e.dtype!r} is not valid: use auto, float32, bfloat16 or float16.")
+        if e.num_threads < 0:
+            raise ConfigError(f"engine.num_threads={e.num_threads} must be >= 0 (0 picks automatically).")
+        if e.max_new_tokens < 1:
+            raise ConfigError(f"engine.max_new_tokens={e.max_new_tokens} must be at least 1.")
+        if e.max_context_tokens < 0:
+            raise ConfigError(f"engine.max_context_tokens={e.max_context_tokens} must be >= 0 (0 = model's window).")
+        if not 0 < s.port < 65536:
+            raise ConfigError(f"server.port={s.port} is out of range: pick a port between 1 and 65535, e.g. 7860.")
+        if self.sandbox.runtime not in ("runc", "runsc"):
+            raise ConfigError(f"sandbox.runtime={self.sandbox.runtime!r}: use runc (default) or runsc (gVisor).")
+        if self.retrieval.top_k < 1:
+            raise ConfigError(f"retrieval.top_k={self.retrieval.top_k} must be at least 1.")
+        if not self.system_prompt.strip():
+            raise ConfigError("system_prompt is empty: remove the setting to use the default, or write one.")
+
+    def with_data_dir(self, data_dir: str | Path) -> "AssistantConfig":
+        return replace(self, data_dir=Path(data_dir))
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.endswith(".gguf") or "/" in model or os.sep in model or Path(model).exists()
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"Config file {path} does not exist: create it or unset ASSISTANT_CONFIG.") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"Config file {path} is not valid TOML: {e}") from e
+
+
+def _merge(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _sections() -> dict[str, type]:
+    hints = typing.get_type_hints(AssistantConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(AssistantConfig) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("data_dir", "models_dir", "system_prompt"):
+        if f"ASSISTANT_{name.upper()}" in env:
+            out[name] = env[f"ASSISTANT_{name.upper()}"]
+    for section, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            key = f"ASSISTANT_{section.upper()}_{f.name.upper()}"
+            if key in env:
+                out.setdefault(section, {})[f.name] = env[key]
+    return out
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ConfigError(f"Unknown setting {where}{name!r}. Known settings here: {', '.join(sorted(known))}.")
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"Setting {where}{name!r} must be a table/section, got {value!r}.")
+            kwargs[name] = _build(hint, value, where=f"{where}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{where}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    args = typing.get_args(hint)
+    if type(None) in args:  # Optional[X]
+        if value is None or value == "":
+            return None
+        hint = next(a for a in args if a is not type(None))
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if hint in (int, float):
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return hint(value)
+        if hint is Path:
+            return Path(str(value))
+        if hint is str:
+            return str(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"Setting {name}={value!r} is not a valid {getattr(hint, '__name__', hint)}.") from e
+    return value

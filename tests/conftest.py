@@ -1,0 +1,40 @@
+"""Shared fixtures and the `real` marker policy.
+
+Tests marked `real` use real packaged models and real services. On a laptop where one is missing
+they skip; with ASSISTANT_REQUIRE_REAL=1 (CI) a missing one is a failure, never a silent skip.
+Use `need(condition, what, fix)` inside such a test to express the requirement.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REQUIRE_REAL = os.environ.get("ASSISTANT_REQUIRE_REAL") == "1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def need(condition: bool, what: str, fix: str) -> None:
+    """Skip (laptop) or fail (CI) when a real dependency is missing."""
+    if condition:
+        return
+    message = f"{what} is missing: {fix}"
+    if REQUIRE_REAL:
+        pytest.fail(f"ASSISTANT_REQUIRE_REAL=1 and {message}", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """Every test runs as the product does: no hub, no telemetry."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+@pytest.fixture
+def shared_models_dir() -> Path:
+    """Prepared models shared by every test data dir (prepared once by `make test`)."""
+    return Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models")).resolve()
