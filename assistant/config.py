@@ -80,6 +80,8 @@ class SandboxConfig:
     max_output_bytes: int = 65536  # stdout/stderr kept per stream; the rest is cut with a marker
     idle_reap_s: float = 600.0  # a conversation's warm container is removed after this idle time
     max_containers: int = 8  # bound on warm containers (LRU evicted)
+    max_artifact_bytes: int = 8 * 1024 * 1024  # files the code writes that come back per run (the rest are listed only)
+    debian_mirror: str = "http://deb.debian.org/debian"  # where `assistant sandbox setup` debootstraps the image from
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,12 @@ class AssistantConfig:
             raise ConfigError(f"server.port={s.port} is out of range: pick a port between 1 and 65535, e.g. 7860.")
         if self.sandbox.runtime not in ("runc", "runsc"):
             raise ConfigError(f"sandbox.runtime={self.sandbox.runtime!r}: use runc (default) or runsc (gVisor).")
+        sb = self.sandbox
+        for name in ("memory_mb", "cpus", "pids_limit", "timeout_s", "tmpfs_mb", "max_output_bytes", "max_containers"):
+            if getattr(sb, name) <= 0:
+                raise ConfigError(f"sandbox.{name}={getattr(sb, name)} must be positive; remove it to use the default.")
+        if sb.pids_limit < 16:
+            raise ConfigError(f"sandbox.pids_limit={sb.pids_limit} is too small for python3 to start: use at least 16.")
         if self.retrieval.top_k < 1:
             raise ConfigError(f"retrieval.top_k={self.retrieval.top_k} must be at least 1.")
         if not self.system_prompt.strip():

@@ -1,0 +1,125 @@
+"""Loading chat models for the in-process engine: packaged names, local HF dirs and GGUF files.
+
+Device and dtype policy (MACHINE.md): on CPU fp32 (no native bf16 here, prefill is compute-bound),
+on CUDA bf16. Thread counts are set on purpose: a second OpenMP thread made decode 3-4x slower
+when the sibling vCPU was busy, so `num_threads=0` means one per physical core capped at 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from assistant.config import AssistantConfig
+from assistant.errors import ModelError
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel in eval mode
+    tokenizer: Any  # transformers tokenizer with a chat template
+    device: Any  # torch.device
+    name: str  # what the user asked for
+    context_window: int  # tokens the model can attend to
+
+
+def _require_torch():
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ModelError("The in-process engine needs torch and transformers: pip install -e '.[engine]'") from e
+    return torch
+
+
+def pick_device(device: str):
+    torch = _require_torch()
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"engine.device={device} but no CUDA device is available: set engine.device=auto or cpu.")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device):
+    torch = _require_torch()
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def set_threads(num_threads: int) -> int:
+    torch = _require_torch()
+    if num_threads <= 0:
+        num_threads = max(1, min(2, (os.cpu_count() or 1)))
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+def load_gguf(path: Path, dtype=None):
+    """Load (and de-quantise) a GGUF file with transformers. Slow: 25-80 s for 0.5B on 2 vCPU."""
+    torch = _require_torch()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
+    except Exception as e:  # transformers raises many types for a bad file
+        raise ModelError(f"Could not load GGUF {path}: {e}. Check that it is a complete GGUF chat model.") from e
+    # A de-quantised GGUF model still carries quantizer markers that make save_pretrained refuse.
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    return model, tokenizer
+
+
+def resolve_model_path(config: AssistantConfig) -> Path:
+    """Where the configured model's files are; raise a fix-it error when it is not prepared."""
+    from assistant.models import MODELS, known_model_names, prepared_path, resolve_model_name
+
+    name = config.engine.model
+    if name in known_model_names():
+        spec = resolve_model_name(name)
+        path = prepared_path(spec, config.resolved_models_dir)
+        if path is None:
+            raise ModelError(
+                f"Model {spec.name} is not prepared in {config.resolved_models_dir}: run "
+                f"`assistant models prepare {spec.name} --data-dir {config.data_dir}` (or `make run`)."
+            )
+        return path
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelError(f"Model path {path} does not exist. Known models: {', '.join(MODELS)}.")
+    return path
+
+
+def load_model(config: AssistantConfig) -> LoadedModel:
+    torch = _require_torch()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    set_threads(config.engine.num_threads)
+    device = pick_device(config.engine.device)
+    dtype = pick_dtype(config.engine.dtype, device)
+    path = resolve_model_path(config)
+    if path.is_file() and path.suffix == ".gguf":
+        model, tokenizer = load_gguf(path, dtype=dtype)
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"Could not load the model in {path}: {e}") from e
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ModelError(f"{path} has no chat template: use an instruct/chat model.")
+    model.to(device).eval()
+    window = int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+    if config.engine.max_context_tokens:
+        window = min(window, config.engine.max_context_tokens)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, name=config.engine.model,
+                       context_window=min(window, 32768))

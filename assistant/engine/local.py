@@ -1,0 +1,141 @@
+"""LocalEngine: the in-process transformers model behind the Engine seam.
+
+A plain prefill/decode loop (nanoGPT / gpt-fast shape) over transformers' model forward with its
+`DynamicCache` as the KV cache: `prefill` runs the whole prompt once and fills the cache, then
+`decode_one_token` feeds back one sampled token per step. Doing the loop ourselves instead of calling
+`model.generate()` gives us per-token streaming without a helper thread, cancellation within one step,
+stop strings across token boundaries, and no logits-processor overhead per token (measured against
+`generate()` by bench/engine_baseline.py).
+
+Requests are served one at a time (a lock); iteration-level batching, prefix caching and int8 weights
+belong to the scheduler that replaces this loop without changing the interface.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator, Sequence
+
+from assistant.config import AssistantConfig
+from assistant.engine.base import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Engine,
+    Message,
+    Prompt,
+    SamplingParams,
+    TokenDelta,
+)
+from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
+from assistant.engine.loading import LoadedModel, load_model
+from assistant.engine.sampling import sample
+from assistant.errors import EngineError
+
+
+def prefill(model: Any, input_ids: Any, cache: Any) -> Any:
+    """Run the prompt (1, T) through the model, filling `cache`; return last-position logits (1, V)."""
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :]
+
+
+def decode_one_token(model: Any, token: Any, cache: Any) -> Any:
+    """Feed one token (1, 1) with the cache; return next-token logits (1, V)."""
+    out = model(input_ids=token, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1, :]
+
+
+class LocalEngine(Engine):
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.name = loaded.name
+        self.context_window = loaded.context_window
+        self._lock = threading.Lock()
+        self.eos_ids = self._eos_ids()
+
+    @classmethod
+    def from_config(cls, config: AssistantConfig) -> "LocalEngine":
+        return cls(load_model(config))
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
+            token_id = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id and token_id >= 0:
+                ids.add(token_id)
+        return ids
+
+    # -- prompt rendering ---------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
+        if prompt and isinstance(prompt[0], int):
+            return list(prompt)  # type: ignore[arg-type]
+        rendered = self.tokenizer.apply_chat_template(
+            list(prompt), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    def count_tokens(self, messages: Sequence[Message], *, tools: Sequence[dict] | None = None) -> int:
+        return len(self.encode(messages, tools))
+
+    # -- generation ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        tools: Sequence[dict] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[TokenDelta]:
+        params.verify()
+        prompt_ids = self.encode(prompt, tools)
+        if not prompt_ids:
+            raise EngineError("The prompt is empty.")
+        if len(prompt_ids) >= self.context_window:
+            raise EngineError(
+                f"The prompt has {len(prompt_ids)} tokens but the model's context window is {self.context_window}: "
+                "shorten the conversation or the documents in it."
+            )
+        with self._lock:
+            yield from self._generate_locked(prompt_ids, params, cancel)
+
+    def _generate_locked(self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event | None):
+        import torch
+        from transformers import DynamicCache
+
+        max_new = min(params.max_tokens, self.context_window - len(prompt_ids))
+        generator = None
+        if params.seed is not None and params.temperature > 0:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        stops = StopMatcher(params.stop)
+        num_prompt = len(prompt_ids)
+        cache = DynamicCache()
+        with torch.inference_mode():
+            logits = prefill(self.model, torch.tensor([prompt_ids], device=self.device), cache)
+            for step in range(1, max_new + 1):
+                if cancel is not None and cancel.is_set():
+                    yield TokenDelta("", (), FINISH_CANCELLED, num_prompt, step - 1)
+                    return
+                token = sample(logits, params, generator)  # (1,)
+                token_id = int(token.item())
+                if token_id in self.eos_ids:
+                    yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step)
+                    return
+                text = stops.push(detok.push(token_id))
+                if stops.stopped:
+                    yield TokenDelta(text, (token_id,), FINISH_STOP, num_prompt, step)
+                    return
+                if step == max_new:
+                    yield TokenDelta(text + stops.flush(), (token_id,), FINISH_LENGTH, num_prompt, step)
+                    return
+                yield TokenDelta(text, (token_id,), None, num_prompt, step)
+                logits = decode_one_token(self.model, token.view(1, 1), cache)

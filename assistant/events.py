@@ -1,0 +1,109 @@
+"""TurnEvent: the one typed event stream from the orchestrator to every front end.
+
+The Gradio app, the terminal REPL, the Jupyter widget and the SSE API are thin adapters over an
+`Iterator[TurnEvent]`; non-streaming callers just drain it. `to_dict()` gives the JSON form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class TurnEvent:
+    type: ClassVar[str] = "event"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class TextDelta(TurnEvent):
+    type: ClassVar[str] = "text_delta"
+    text: str  # new answer text (whole characters)
+
+
+@dataclass(frozen=True)
+class ToolCallStarted(TurnEvent):
+    type: ClassVar[str] = "tool_call_started"
+    call_id: str  # unique within the turn
+    name: str  # tool name
+    arguments: dict[str, Any]  # validated arguments
+
+
+@dataclass(frozen=True)
+class ToolCallFinished(TurnEvent):
+    type: ClassVar[str] = "tool_call_finished"
+    call_id: str
+    name: str
+    ok: bool  # False when the tool reported an error (fed back to the model as an observation)
+    summary: str  # short result for display
+    artifacts: tuple[str, ...] = ()  # ids/paths of files the tool produced
+
+
+@dataclass(frozen=True)
+class Source:
+    marker: int  # the [n] used in the answer
+    doc: str  # document name
+    page: int | None  # 1-based page, None for page-less formats
+    snippet: str  # the retrieved text shown as evidence
+    chunk_id: str = ""  # id of the retrieved chunk
+
+
+@dataclass(frozen=True)
+class Sources(TurnEvent):
+    type: ClassVar[str] = "sources"
+    sources: tuple[Source, ...]
+    dropped_markers: tuple[int, ...] = ()  # cited markers that matched no retrieved chunk
+
+
+@dataclass(frozen=True)
+class SafetyVerdict(TurnEvent):
+    type: ClassVar[str] = "safety"
+    stage: str  # "input" | "output" | "retrieved"
+    allowed: bool
+    category: str = ""  # e.g. "prompt_injection", "offensive", "pii"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class AudioChunk(TurnEvent):
+    type: ClassVar[str] = "audio"
+    sample_rate: int
+    pcm16: bytes = field(repr=False)  # mono little-endian 16-bit samples
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "sample_rate": self.sample_rate, "num_bytes": len(self.pcm16)}
+
+
+@dataclass(frozen=True)
+class Usage(TurnEvent):
+    type: ClassVar[str] = "usage"
+    prompt_tokens: int
+    completion_tokens: int
+    context_window: int
+    dropped_messages: int = 0  # history messages left out to fit the window
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
+
+
+@dataclass(frozen=True)
+class Notice(TurnEvent):
+    type: ClassVar[str] = "notice"
+    message: str  # something the user should know (model fallback, truncated history, ...)
+
+
+@dataclass(frozen=True)
+class Error(TurnEvent):
+    type: ClassVar[str] = "error"
+    message: str  # user-facing, with the fix when there is one
+
+
+@dataclass(frozen=True)
+class Done(TurnEvent):
+    type: ClassVar[str] = "done"
+    conversation_id: str
+    message_id: str  # stored assistant message
+    text: str  # the whole answer
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error" | "blocked"

@@ -1,0 +1,230 @@
+"""The conversation store: conversations, messages (a tree, for edits and regeneration), usage.
+
+SQLAlchemy Core over a SQLite file in the data dir by default; a PostgreSQL URL
+(`postgresql+psycopg://...`) goes through exactly the same code. Every write is its own committed
+transaction, so a crash mid-answer loses at most the part of the answer not yet flushed.
+
+Messages form a tree through `parent_id`; a conversation's `head_id` points at the newest message of
+the active branch, and its history is the path from the root to the head. Editing a user message adds
+a sibling (a new branch) and moves the head; the old branch stays in the table, reachable by id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine as SqlEngine
+
+from assistant.errors import StoreError
+
+metadata = MetaData()
+
+conversations = Table(
+    "conversations",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("title", Text, nullable=False, default=""),
+    Column("head_id", String(32), nullable=True),  # newest message of the active branch
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+messages = Table(
+    "messages",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("conversation_id", String(32), ForeignKey("conversations.id", ondelete="CASCADE"), nullable=False),
+    Column("parent_id", String(32), nullable=True),
+    Column("role", String(16), nullable=False),  # system | user | assistant | tool
+    Column("content", Text, nullable=False, default=""),
+    Column("status", String(16), nullable=False, default="complete"),  # complete | partial | error
+    Column("meta", JSON, nullable=False, default=dict),  # tool calls, sources, usage, ...
+    Column("created_at", Float, nullable=False),
+    Index("ix_messages_conversation", "conversation_id"),
+)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    title: str
+    head_id: str | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    id: str
+    conversation_id: str
+    parent_id: str | None
+    role: str
+    content: str
+    status: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+
+    def as_chat(self) -> dict[str, Any]:
+        return {"role": self.role, "content": self.content}
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        try:
+            if url.startswith("sqlite"):
+                self.db: SqlEngine = create_engine(url, connect_args={"check_same_thread": False})
+                event.listen(self.db, "connect", _sqlite_pragmas)
+            else:
+                self.db = create_engine(url, pool_pre_ping=True)
+            metadata.create_all(self.db)
+        except Exception as e:  # driver missing, server down, bad URL
+            raise StoreError(f"Cannot open the store at {_redact(url)}: {e}") from e
+
+    # -- conversations --------------------------------------------------------------------------
+    def create_conversation(self, title: str = "", conversation_id: str | None = None) -> Conversation:
+        now = time.time()
+        row = {"id": conversation_id or _new_id(), "title": title, "head_id": None, "created_at": now, "updated_at": now}
+        with self.db.begin() as c:
+            c.execute(conversations.insert().values(**row))
+        return Conversation(**row)
+
+    def get_conversation(self, conversation_id: str) -> Conversation:
+        with self.db.connect() as c:
+            row = c.execute(select(conversations).where(conversations.c.id == conversation_id)).mappings().first()
+        if row is None:
+            raise StoreError(f"No conversation with id {conversation_id!r}: list them with `assistant conversations`.")
+        return Conversation(**row)
+
+    def get_or_create(self, conversation_id: str | None, title: str = "") -> Conversation:
+        if conversation_id:
+            try:
+                return self.get_conversation(conversation_id)
+            except StoreError:
+                return self.create_conversation(title, conversation_id)
+        return self.create_conversation(title)
+
+    def list_conversations(self) -> list[Conversation]:
+        with self.db.connect() as c:
+            rows = c.execute(select(conversations).order_by(conversations.c.updated_at.desc())).mappings().all()
+        return [Conversation(**r) for r in rows]
+
+    def rename_conversation(self, conversation_id: str, title: str) -> None:
+        self._update_conversation(conversation_id, title=title)
+
+    def delete_conversation(self, conversation_id: str) -> None:
+        self.get_conversation(conversation_id)
+        with self.db.begin() as c:
+            c.execute(messages.delete().where(messages.c.conversation_id == conversation_id))
+            c.execute(conversations.delete().where(conversations.c.id == conversation_id))
+
+    def set_head(self, conversation_id: str, message_id: str | None) -> None:
+        self._update_conversation(conversation_id, head_id=message_id)
+
+    def _update_conversation(self, conversation_id: str, **values: Any) -> None:
+        with self.db.begin() as c:
+            result = c.execute(
+                update(conversations).where(conversations.c.id == conversation_id).values(updated_at=time.time(), **values)
+            )
+        if result.rowcount == 0:
+            raise StoreError(f"No conversation with id {conversation_id!r}.")
+
+    # -- messages -------------------------------------------------------------------------------
+    def add_message(
+        self,
+        conversation_id: str,
+        role: str,
+        content: str,
+        *,
+        parent_id: str | None = ...,  # type: ignore[assignment]  # default: the current head
+        status: str = "complete",
+        meta: dict[str, Any] | None = None,
+    ) -> StoredMessage:
+        """Append a message under `parent_id` (default: the head) and make it the new head, atomically."""
+        with self.db.begin() as c:
+            head = c.execute(select(conversations.c.head_id).where(conversations.c.id == conversation_id)).first()
+            if head is None:
+                raise StoreError(f"No conversation with id {conversation_id!r}.")
+            parent = head[0] if parent_id is ... else parent_id
+            row = {"id": _new_id(), "conversation_id": conversation_id, "parent_id": parent, "role": role,
+                   "content": content, "status": status, "meta": meta or {}, "created_at": time.time()}
+            c.execute(messages.insert().values(**row))
+            c.execute(update(conversations).where(conversations.c.id == conversation_id)
+                      .values(head_id=row["id"], updated_at=row["created_at"]))
+        return StoredMessage(**row)
+
+    def update_message(self, message_id: str, *, content: str | None = None, status: str | None = None,
+                       meta: dict[str, Any] | None = None) -> None:
+        values = {k: v for k, v in (("content", content), ("status", status), ("meta", meta)) if v is not None}
+        with self.db.begin() as c:
+            result = c.execute(update(messages).where(messages.c.id == message_id).values(**values))
+        if result.rowcount == 0:
+            raise StoreError(f"No message with id {message_id!r}.")
+
+    def get_message(self, message_id: str) -> StoredMessage:
+        with self.db.connect() as c:
+            row = c.execute(select(messages).where(messages.c.id == message_id)).mappings().first()
+        if row is None:
+            raise StoreError(f"No message with id {message_id!r}.")
+        return StoredMessage(**row)
+
+    def history(self, conversation_id: str, head_id: str | None = ...) -> list[StoredMessage]:  # type: ignore[assignment]
+        """Messages from the root to `head_id` (default: the conversation's head), oldest first."""
+        head = self.get_conversation(conversation_id).head_id if head_id is ... else head_id
+        with self.db.connect() as c:
+            rows = c.execute(select(messages).where(messages.c.conversation_id == conversation_id)).mappings().all()
+        by_id = {r["id"]: StoredMessage(**r) for r in rows}
+        path: list[StoredMessage] = []
+        while head is not None:
+            message = by_id.get(head)
+            if message is None:
+                raise StoreError(f"Conversation {conversation_id} is broken: message {head} is missing.")
+            path.append(message)
+            head = message.parent_id
+        return path[::-1]
+
+    def export(self, conversation_id: str) -> dict[str, Any]:
+        conv = self.get_conversation(conversation_id)
+        return {"id": conv.id, "title": conv.title, "created_at": conv.created_at,
+                "messages": [json.loads(json.dumps(m.__dict__)) for m in self.history(conversation_id)]}
+
+    def close(self) -> None:
+        self.db.dispose()
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+    cursor.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints, safe against app crashes
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

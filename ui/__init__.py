@@ -1,0 +1,1 @@
+"""Front ends: thin adapters that render the orchestrator's TurnEvent stream."""
