@@ -33,6 +33,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Engine as SqlEngine
+from sqlalchemy.pool import StaticPool
 
 from assistant.errors import StoreError
 
@@ -96,7 +97,9 @@ class Store:
         self.url = url
         try:
             if url.startswith("sqlite"):
-                self.db: SqlEngine = create_engine(url, connect_args={"check_same_thread": False})
+                in_memory = url in ("sqlite://", "sqlite:///:memory:")  # one shared connection, or each sees an empty db
+                self.db: SqlEngine = create_engine(url, connect_args={"check_same_thread": False},
+                                                   poolclass=StaticPool if in_memory else None)
                 event.listen(self.db, "connect", _sqlite_pragmas)
             else:
                 self.db = create_engine(url, pool_pre_ping=True)

@@ -1,0 +1,58 @@
+"""Store: committed messages, branch-aware history, export; SQLite file and in-memory alike."""
+
+import pytest
+
+from assistant.errors import StoreError
+from assistant.store import Store
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request, tmp_path):
+    url = "sqlite://" if request.param == "memory" else f"sqlite:///{tmp_path / 'a.db'}"
+    s = Store(url)
+    yield s
+    s.close()
+
+
+def test_history_follows_the_active_branch(store):
+    c = store.create_conversation("t")
+    u1 = store.add_message(c.id, "user", "q1")
+    store.add_message(c.id, "assistant", "a1")
+    store.add_message(c.id, "user", "q2")
+    assert [m.content for m in store.history(c.id)] == ["q1", "a1", "q2"]
+    # edit q2: a sibling under a1 becomes the head; the old branch stays reachable by id
+    a1 = store.history(c.id)[1]
+    old_head = store.get_conversation(c.id).head_id
+    store.add_message(c.id, "user", "q2 edited", parent_id=a1.id)
+    assert [m.content for m in store.history(c.id)] == ["q1", "a1", "q2 edited"]
+    assert [m.content for m in store.history(c.id, old_head)] == ["q1", "a1", "q2"]
+    assert store.history(c.id)[0].id == u1.id
+
+
+def test_update_rename_delete_list(store):
+    c = store.create_conversation("first")
+    m = store.add_message(c.id, "assistant", "", status="partial")
+    store.update_message(m.id, content="done", status="complete", meta={"usage": {"prompt_tokens": 3}})
+    got = store.get_message(m.id)
+    assert (got.content, got.status, got.meta["usage"]["prompt_tokens"]) == ("done", "complete", 3)
+    store.rename_conversation(c.id, "renamed")
+    assert [x.title for x in store.list_conversations()] == ["renamed"]
+    assert store.export(c.id)["messages"][0]["content"] == "done"
+    store.delete_conversation(c.id)
+    assert store.list_conversations() == []
+    with pytest.raises(StoreError, match="No conversation"):
+        store.history(c.id)
+
+
+def test_data_survives_reopening(tmp_path):
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    s = Store(url)
+    c = s.create_conversation("keep")
+    s.add_message(c.id, "user", "hello")
+    s.close()
+    assert [m.content for m in Store(url).history(c.id)] == ["hello"]
+
+
+def test_bad_url_is_a_store_error():
+    with pytest.raises(StoreError, match="Cannot open the store"):
+        Store("nosuchdialect://x")
