@@ -26,6 +26,7 @@ class SamplingParams:
     max_tokens: int = 512  # hard limit on generated tokens
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these strings
     seed: int | None = None  # sampling seed for reproducible non-greedy output
+    ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks: fixed-length answers)
 
     def verify(self) -> None:
         if self.temperature < 0:

@@ -127,7 +127,7 @@ class LocalEngine(Engine):
                     return
                 token = sample(logits, params, generator)  # (1,)
                 token_id = int(token.item())
-                if token_id in self.eos_ids:
+                if token_id in self.eos_ids and not params.ignore_eos:
                     yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step)
                     return
                 text = stops.push(detok.push(token_id))
