@@ -66,6 +66,13 @@ class RetrievalConfig:
     qdrant_url: str = ""  # "" = embedded Qdrant Edge under <data_dir>/qdrant; http://host:6333 = a Qdrant server
     embedder: str = "all-minilm-l6-v2"  # packaged embedder name or a sentence-transformers directory
     top_k: int = 5  # chunks returned per search
+    chunk_tokens: int = 200  # chunk size in the embedder's tokens (MiniLM reads at most 256)
+    chunk_overlap: int = 30  # tokens repeated between neighbouring chunks of a page
+    candidates: int = 50  # chunks each of the dense and the sparse search hand to RRF fusion
+    embed_batch_size: int = 32  # chunks embedded (and upserted) per batch during ingestion
+    embed_threads: int = 0  # torch threads for the embedder; 0 = auto (1 on a 2-vCPU machine)
+    search_threads: int = 1  # Qdrant Edge search threads (one is fastest for single small queries)
+    ocr_languages: str = "eng"  # Tesseract languages, e.g. "eng+deu" (apt-get install tesseract-ocr-deu)
 
 
 @dataclass(frozen=True)
@@ -159,8 +166,19 @@ class AssistantConfig:
                 raise ConfigError(f"sandbox.{name}={getattr(sb, name)} must be positive; remove it to use the default.")
         if sb.pids_limit < 16:
             raise ConfigError(f"sandbox.pids_limit={sb.pids_limit} is too small for python3 to start: use at least 16.")
-        if self.retrieval.top_k < 1:
-            raise ConfigError(f"retrieval.top_k={self.retrieval.top_k} must be at least 1.")
+        r = self.retrieval
+        if r.top_k < 1:
+            raise ConfigError(f"retrieval.top_k={r.top_k} must be at least 1.")
+        if not 16 <= r.chunk_tokens <= 8192:
+            raise ConfigError(f"retrieval.chunk_tokens={r.chunk_tokens} must be between 16 and 8192 (default 200).")
+        if not 0 <= r.chunk_overlap < r.chunk_tokens:
+            raise ConfigError(f"retrieval.chunk_overlap={r.chunk_overlap} must be >= 0 and below chunk_tokens={r.chunk_tokens}.")
+        if r.candidates < 1 or r.embed_batch_size < 1:
+            raise ConfigError("retrieval.candidates and retrieval.embed_batch_size must be at least 1.")
+        if r.embed_threads < 0 or r.search_threads < 1:
+            raise ConfigError("retrieval.embed_threads must be >= 0 (0 = auto) and retrieval.search_threads >= 1.")
+        if not r.ocr_languages or not all(part.isidentifier() for part in r.ocr_languages.split("+")):
+            raise ConfigError(f"retrieval.ocr_languages={r.ocr_languages!r}: use Tesseract codes joined by '+', e.g. eng+deu.")
         if not self.system_prompt.strip():
             raise ConfigError("system_prompt is empty: remove the setting to use the default, or write one.")
 

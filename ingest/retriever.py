@@ -1,0 +1,115 @@
+"""Retriever: the read side used by the agent, the UI and `assistant eval retrieval`.
+
+    retriever = Retriever.from_config(config)            # or Retriever(index, embedder)
+    hits = retriever.search("what is the warranty period?", k=5, filters={"file_name": "manual.pdf"})
+    hits[0].citation                                      # 'manual.pdf p. 12'
+    pages = retriever.read(hits[0].doc_id, pages=[12, 13])  # whole pages, for "summarise chapter 2"
+
+Search is hybrid by default: the query's dense embedding and its BM25 sparse vector are sent together
+and fused by RRF inside Qdrant; only chunks of committed, fully written documents are visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ingest.embed import Bm25Encoder, Embedder
+from ingest.index import VectorIndex
+from ingest.pipeline import find_document, list_documents
+
+FILTER_FIELDS = ("doc_id", "path", "file_name", "page")
+
+
+@dataclass(frozen=True)
+class Hit:
+    chunk_id: str  # stable id of the chunk (cite this)
+    doc_id: str  # stable id of the document (hash of its path)
+    path: str  # absolute path of the source file at ingestion time
+    page: int  # 1-based page number (1 for formats without pages)
+    heading: str  # nearest heading above the chunk ("" if none)
+    text: str  # the chunk text
+    score: float  # RRF score for hybrid search, cosine / BM25 score for single-mode search
+    start_char: int  # offsets of `text` within the page text
+    end_char: int
+
+    @property
+    def file_name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def citation(self) -> str:
+        return f"{self.file_name} p. {self.page}"
+
+
+@dataclass(frozen=True)
+class PageText:
+    doc_id: str
+    path: str
+    page: int  # 1-based
+    text: str  # the whole page
+
+
+class Retriever:
+    """Ranked chunks with sources from one collection."""
+
+    def __init__(self, index: VectorIndex, embedder: Embedder, *, sparse: Bm25Encoder | None = None,
+                 top_k: int = 5, candidates: int = 50) -> None:
+        self.index, self.embedder = index, embedder
+        self.sparse = sparse or Bm25Encoder()
+        self.top_k, self.candidates = top_k, candidates
+
+    @classmethod
+    def from_config(cls, config, collection: str | None = None) -> "Retriever":
+        """Open the configured collection (Edge under <data_dir>/qdrant, or retrieval.qdrant_url)."""
+        from ingest.embed import load_embedder
+        from ingest.index import open_index
+
+        r = config.retrieval
+        embedder = load_embedder(r.embedder, num_threads=r.embed_threads, batch_size=r.embed_batch_size)
+        return cls(open_index(config, embedder.dim, collection), embedder, top_k=r.top_k, candidates=r.candidates)
+
+    def search(self, query: str, k: int | None = None, filters: dict[str, Any] | None = None, *,
+               mode: str = "hybrid") -> list[Hit]:
+        """Top-k chunks for `query`. filters: {"doc_id"|"path"|"file_name"|"page": value or list}.
+        mode: "hybrid" (default), "dense" or "sparse"."""
+        k = k or self.top_k
+        where: dict[str, Any] = {"kind": "chunk", "visible": 1}
+        for key, value in (filters or {}).items():
+            if key not in FILTER_FIELDS:
+                raise ValueError(f"unknown filter {key!r}: use {', '.join(FILTER_FIELDS)}")
+            where[key] = value
+        if not query.strip():
+            return []
+        dense = self.embedder.embed_query(query) if mode in ("hybrid", "dense") else None
+        sparse = self.sparse.encode_query(query) if mode in ("hybrid", "sparse") else None
+        if sparse is not None and not sparse[0]:
+            if mode == "sparse":
+                return []
+            sparse, mode = None, "dense"  # only stopwords: nothing for BM25 to match
+        found = self.index.query(dense=dense, sparse=sparse, limit=k, where=where, mode=mode,
+                                 candidates=max(self.candidates, k))
+        return [hit_from_payload(p.id, p.score, p.payload) for p in found]
+
+    def read(self, doc: str, pages: list[int] | None = None) -> list[PageText]:
+        """Whole pages of a document (all of them when `pages` is None), in page order.
+        `doc` is a doc id, a path or a file name."""
+        record = find_document(self.index, doc)
+        where: dict[str, Any] = {"kind": "page", "visible": 1, "doc_id": record["doc_id"],
+                                 "version": record["committed"]}
+        if pages:
+            where["page"] = [int(p) for p in pages]
+        found = sorted(self.index.scroll(where), key=lambda p: p["page"])
+        return [PageText(p["doc_id"], p["path"], p["page"], p["text"]) for p in found]
+
+    def documents(self) -> list[dict]:
+        """Ledger records of every committed document (path, file_name, doc_id, num_pages, …)."""
+        return list_documents(self.index)
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def hit_from_payload(point_id: str, score: float, p: dict[str, Any]) -> Hit:
+    return Hit(chunk_id=point_id, doc_id=p["doc_id"], path=p["path"], page=int(p["page"]), heading=p.get("heading", ""),
+               text=p["text"], score=score, start_char=int(p.get("start_char", 0)), end_char=int(p.get("end_char", 0)))
