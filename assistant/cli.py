@@ -63,9 +63,11 @@ def _subsystem_register(module_name: str) -> Callable | None:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
-            return None  # the subsystem is not part of this build
-        raise
+        if e.name and not module_name.startswith(e.name):
+            # The subsystem is there but one of its dependencies is not: say so, keep the rest working.
+            print(f"Note: `{module_name.split('.')[0]}` commands are unavailable ({e.name} is not installed): "
+                  "run `make setup` or pip install -e '.[ingest,sandbox]'.", file=sys.stderr)
+        return None
     return getattr(module, "register", None)
 
 

@@ -1,0 +1,1 @@
+"""Tools the agent can call (code interpreter, retrieval, ...)."""
