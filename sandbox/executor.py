@@ -43,8 +43,9 @@ BOOT = (  # read the kernel's source from stdin (length line, then bytes) and ru
     "exec(compile(sys.stdin.buffer.read(n),'/sandbox/kernel.py','exec'))"
 )
 MAX_START_S = 30.0  # container start + kernel ready
+DOCKER_API_TIMEOUT_S = 120.0  # removing a gVisor container full of processes can take a while under load
 MAX_STDERR_KEPT = 65536  # the kernel's own stderr (crash reports), for diagnostics
-RUNSC_MIN_PIDS = 512  # gVisor's own threads count against the host pids cap; nproc ulimit limits the code
+RUNSC_MIN_PIDS = 4096  # host pids cap under gVisor: the sentry's threads and stubs; the nproc ulimit caps the code (at 512 a fork bomb crashed the sentry)
 
 
 class _KernelGone(Exception):
@@ -312,7 +313,7 @@ class DockerExecutor(Executor):
 
 def connect(config: SandboxConfig):
     """A docker client for a ready engine with the image (and runtime); ToolUnavailable otherwise."""
-    client = ping_daemon()
+    client = ping_daemon(timeout=DOCKER_API_TIMEOUT_S)
     if client is None:
         raise ToolUnavailable(f"The Docker engine is not running, so the code tool is off. Enable it with: {ENABLE_COMMAND}")
     if not image_exists(client, config.image):

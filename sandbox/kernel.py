@@ -46,7 +46,16 @@ def main():
     reply(ctl_out, {"ready": True})
     for num, line in enumerate(ctl_in, 1):
         request = json.loads(line)
-        result = run_cell(request, namespace, num, kernel_pid, devnull)
+        try:
+            result = run_cell(request, namespace, num, kernel_pid, devnull)
+        except Exception:  # a failure of the kernel itself (e.g. EAGAIN at the pids cap): report, carry on
+            if os.getpid() != kernel_pid:
+                os._exit(1)
+            for fd in (1, 2):
+                os.dup2(devnull, fd)
+            text = "sandbox kernel error:\n" + traceback.format_exc()
+            result = {"exit": 1, "oom": False, "stdout": ["", "", 0], "stderr": [text, "", len(text.encode())],
+                      "files": []}
         reply(ctl_out, result)
 
 

@@ -107,11 +107,11 @@ def docker_client(timeout: float = 10.0):
     return docker.DockerClient(base_url=f"unix://{DOCKER_SOCKET}", timeout=timeout)
 
 
-def ping_daemon():
-    """The client when dockerd answers, else None."""
+def ping_daemon(timeout: float = 10.0):
+    """A client (with `timeout` for its later calls) when dockerd answers, else None."""
     if not os.path.exists(DOCKER_SOCKET):
         return None
-    client = docker_client()
+    client = docker_client(timeout)
     try:
         client.ping()
         return client
@@ -123,8 +123,8 @@ def ping_daemon():
 def _daemon_pid() -> int | None:
     try:
         pid = int(Path(DOCKER_PIDFILE).read_text().strip())
-        os.kill(pid, 0)
-        return pid
+        is_dockerd = Path(f"/proc/{pid}/comm").read_text().strip() == "dockerd"  # not a reused pid
+        return pid if is_dockerd else None
     except (OSError, ValueError):
         return None
 

@@ -22,7 +22,7 @@ from tests.conftest import need
 pytestmark = pytest.mark.real
 
 CONFIG = dataclasses.replace(
-    SandboxConfig(), memory_mb=256, pids_limit=64, timeout_s=60, max_output_bytes=65536, max_containers=8
+    SandboxConfig(), memory_mb=512, pids_limit=64, timeout_s=60, max_output_bytes=65536, max_containers=8
 )
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -113,17 +113,17 @@ for host in ("127.0.0.1", "8.8.8.8", "deb.debian.org"):
     assert "blocked 127.0.0.1 ConnectionRefusedError" in stdout  # the host's listener is not reachable
 
 
-def test_runs_as_nobody_without_capabilities(executor, conv):
+def test_runs_as_nobody_without_capabilities(executor, runtime, conv):
     stdout = run_ok(
         executor,
         "import os\nstatus = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
-        "print(os.getuid(), os.getgid(), status['CapEff'].strip(), status['CapBnd'].strip(), status['NoNewPrivs'].strip())",
+        "print(os.getuid(), os.getgid(), status['CapEff'].strip(), status['CapBnd'].strip(), status.get('NoNewPrivs', '-').strip())",
         conv,
     )
     uid, gid, cap_eff, cap_bnd, no_new_privs = stdout.split()
     assert (uid, gid) == ("65534", "65534")
     assert int(cap_eff, 16) == 0 and int(cap_bnd, 16) == 0
-    assert no_new_privs == "1"
+    assert no_new_privs == ("1" if runtime == "runc" else "-")  # gVisor's /proc does not show the flag
 
 
 def test_writes_outside_the_work_dir_fail(executor, conv):
@@ -143,7 +143,9 @@ print("work dir writable")
         conv,
     )
     assert "WROTE" not in stdout
-    assert "/etc/evil EROFS" in stdout and "/evil EROFS" in stdout and "/data/evil EROFS" in stdout
+    results = dict(line.split() for line in stdout.splitlines() if line.startswith("/"))
+    assert len(results) == 5 and set(results.values()) <= {"EROFS", "EACCES"}  # gVisor checks permissions first
+    assert results["/var/tmp/evil"] == "EROFS"  # a world-writable dir: only the read-only root stops it
     assert "work dir writable" in stdout
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
@@ -204,9 +203,9 @@ def test_setup_without_root_names_the_enabling_command(monkeypatch):
     assert setup.ENABLE_COMMAND in str(e.value) and "docker.io" in str(e.value)
 
 
-@pytest.mark.skipif(os.path.exists(setup.DOCKER_SOCKET), reason="a Docker engine is running here")
-def test_executor_without_engine_is_unavailable():
+def test_executor_without_engine_is_unavailable(monkeypatch, tmp_path):
     from sandbox.executor import DockerExecutor
 
+    monkeypatch.setattr(setup, "DOCKER_SOCKET", str(tmp_path / "no-docker.sock"))
     with pytest.raises(ToolUnavailable, match="sandbox setup"):
         DockerExecutor(SandboxConfig())
