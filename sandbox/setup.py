@@ -111,7 +111,14 @@ def ping_daemon(timeout: float = 10.0):
     """A client (with `timeout` for its later calls) when dockerd answers, else None."""
     if not os.path.exists(DOCKER_SOCKET):
         return None
-    client = docker_client(timeout)
+    try:
+        import docker.errors
+    except ImportError:
+        docker_client(timeout)  # raises ToolUnavailable with the install command
+    try:
+        client = docker_client(timeout)  # asks the daemon for its API version: fails when it is down
+    except docker.errors.DockerException:
+        return None
     try:
         client.ping()
         return client
@@ -124,7 +131,8 @@ def _daemon_pid() -> int | None:
     try:
         pid = int(Path(DOCKER_PIDFILE).read_text().strip())
         is_dockerd = Path(f"/proc/{pid}/comm").read_text().strip() == "dockerd"  # not a reused pid
-        return pid if is_dockerd else None
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        return pid if is_dockerd and state not in ("Z", "X") else None  # a killed, unreaped one is dead
     except (OSError, ValueError):
         return None
 
