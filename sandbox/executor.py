@@ -32,7 +32,7 @@ from assistant.config import SandboxConfig
 from assistant.errors import ToolUnavailable
 from sandbox.base import Artifact, CodeOutput, Executor, join_truncated
 from sandbox.pool import SessionPool, Slot
-from sandbox.setup import ENABLE_COMMAND, image_exists, ping_daemon, runsc_available
+from sandbox.setup import ENABLE_COMMAND, check_socket_access, image_exists, ping_daemon, runsc_available
 
 LABEL = "org.offline-assistant.sandbox"
 WORK_DIR = "/tmp"  # the size-capped tmpfs; must match sandbox/kernel.py
@@ -313,6 +313,7 @@ class DockerExecutor(Executor):
 
 def connect(config: SandboxConfig):
     """A docker client for a ready engine with the image (and runtime); ToolUnavailable otherwise."""
+    check_socket_access()
     client = ping_daemon(timeout=DOCKER_API_TIMEOUT_S)
     if client is None:
         raise ToolUnavailable(f"The Docker engine is not running, so the code tool is off. Enable it with: {ENABLE_COMMAND}")

@@ -137,7 +137,17 @@ def _daemon_pid() -> int | None:
         return None
 
 
+def check_socket_access() -> None:
+    """ToolUnavailable when dockerd's socket exists but this user may not use it."""
+    if os.path.exists(DOCKER_SOCKET) and not os.access(DOCKER_SOCKET, os.R_OK | os.W_OK):
+        raise ToolUnavailable(
+            f"No permission to use the Docker engine ({DOCKER_SOCKET}), so the code tool is off. Run the "
+            "assistant as root, or add your user to the docker group: sudo usermod -aG docker $USER"
+        )
+
+
 def ensure_daemon_running(log_dir: Path, *, say: Say = print):
+    check_socket_access()
     client = ping_daemon()
     if client is not None:
         say("[2/4] Docker daemon: running.")

@@ -277,3 +277,16 @@ def test_tool_returns_artifacts_and_text(executor, conv, tmp_path):
     result = tool.forward("import pandas as pd\npd.DataFrame({'a': [1, 2]}).to_csv('t.csv')\nprint('rows', 2)", conv)
     assert result.ok and "rows 2" in result.text and "t.csv" in result.text
     assert result.artifacts[0].path.read_text().startswith(",a")
+
+
+def test_setup_command_is_idempotent(tmp_path, capsys):
+    import os
+
+    from assistant.cli import main
+
+    need(os.geteuid() == 0 or os.access("/var/run/docker.sock", os.W_OK), "root or Docker access", "run as root")
+    need(_connect(CONFIG)[0] is not None, "the Docker engine and sandbox image", "assistant sandbox setup (as root)")
+    assert main(["sandbox", "setup", "--data-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "[2/4] Docker daemon: running." in out and "present" in out and "Sandbox ready" in out
+    assert err == ""
