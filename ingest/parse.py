@@ -233,9 +233,9 @@ def _read_text(path: Path) -> str:
     if b"\x00" in data[:8192]:
         raise IngestError("looks like a binary file, not text")
     try:
-        return data.decode("utf-8-sig")
+        return data.decode("utf-8-sig").rstrip()
     except UnicodeDecodeError:
-        return data.decode("latin-1")
+        return data.decode("latin-1").rstrip()
 
 
 _MD_HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#]*$")

@@ -1,0 +1,152 @@
+"""One suite, two backends: identical inserts and queries on Qdrant Edge and on qdrant-client (its
+`:memory:` mode standing in for a Qdrant server); each must behave as specified and both must agree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ingest.chunk import Chunker
+from ingest.embed import Bm25Encoder, HashEmbedder
+from ingest.index import EdgeIndex, IndexPoint, Not
+from ingest.index_server import QdrantServerIndex
+from ingest.pipeline import Ingester, point_id
+from ingest.retriever import Retriever
+from tests.test_ingest_parse import make_pdf
+
+DIM = 16
+SENTENCES = [
+    "the centrifugal pump needs new seals", "valve pressure drops at night", "replace the impeller blades yearly",
+    "error code QX-77 means low voltage", "the manual covers pumps and valves", "night shift checks pressure gauges",
+    "seals wear out faster in hot water", "voltage spikes trip the breaker", "impeller debris causes vibration",
+    "gauges must be calibrated in spring", "the breaker panel is in room 4", "vibration sensors report hourly",
+]
+QUERIES = ["pump seals", "pressure at night", "QX-77", "breaker voltage", "impeller vibration", "spring calibration"]
+
+
+def make_backend(kind: str, tmp_path):
+    if kind == "edge":
+        return EdgeIndex(tmp_path / "edge", DIM)
+    from qdrant_client import QdrantClient
+
+    return QdrantServerIndex(QdrantClient(":memory:"), "suite", DIM)
+
+
+BACKENDS = ["edge", "qdrant-client"]
+
+
+def fill(index) -> None:
+    rng = np.random.default_rng(7)
+    bm25 = Bm25Encoder()
+    points = []
+    for i, text in enumerate(SENTENCES):
+        text += " " + " ".join(f"w{i}n{j}" for j in range(i))  # distinct lengths: no BM25 ties to order arbitrarily
+        dense = rng.standard_normal(DIM).astype(np.float32)
+        points.append(IndexPoint(point_id("doc", i), {"kind": "chunk", "doc_id": f"d{i % 3}", "page": i % 4 + 1,
+                                                      "visible": 1, "text": text, "version": "v1"},
+                                 dense=dense / np.linalg.norm(dense), sparse=bm25.encode_documents([text])[0]))
+    points.append(IndexPoint(point_id("doc-record"), {"kind": "doc", "doc_id": "d0", "dirty": 0}))
+    index.upsert(points)
+
+
+def run_queries(index) -> dict:
+    """Every read the seam offers, as plain data."""
+    rng = np.random.default_rng(11)
+    bm25 = Bm25Encoder()
+    out = {}
+    for q in QUERIES:
+        dense = rng.standard_normal(DIM).astype(np.float32)
+        sparse = bm25.encode_query(q)
+        for mode in ("dense", "sparse", "hybrid"):
+            for where in ({"kind": "chunk"}, {"kind": "chunk", "doc_id": ["d0", "d1"], "page": Not(2)}):
+                hits = index.query(dense=dense, sparse=sparse, limit=5, where=where, mode=mode, candidates=8)
+                out[(q, mode, str(where))] = [(h.id, round(h.score, 4), h.payload["text"]) for h in hits]
+    out["count"] = (index.count({}), index.count({"kind": "chunk"}), index.count({"doc_id": "d1"}),
+                    index.count({"page": [1, 2]}), index.count({"kind": "doc", "dirty": 0}))
+    out["scroll"] = sorted(p["text"] for p in index.scroll({"doc_id": "d2", "kind": "chunk"}, batch=2))
+    return out
+
+
+def tie_groups(hits) -> list[frozenset]:
+    """Texts grouped by equal score (RRF gives ties, which backends may order differently); the last
+    group is left out because the limit may cut a tie at different members."""
+    groups: list[tuple[float, set]] = []
+    for _id, score, text in hits:
+        if groups and abs(groups[-1][0] - score) < 1e-4:
+            groups[-1][1].add(text)
+        else:
+            groups.append((score, {text}))
+    return [frozenset(texts) for _score, texts in groups[:-1]]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path):
+    index = make_backend(request.param, tmp_path)
+    yield index
+    index.close()
+
+
+def test_backend_contract(backend):
+    fill(backend)
+    assert backend.count({}) == len(SENTENCES) + 1
+    bm25 = Bm25Encoder()
+    hits = backend.query(dense=None, sparse=bm25.encode_query("QX-77 error"), limit=3, where={"kind": "chunk"},
+                         mode="sparse")
+    assert hits[0].payload["text"].startswith("error code QX-77")
+    # a point without vectors (a ledger record) is never a search result
+    assert all(h.payload["kind"] == "chunk" for h in backend.query(
+        dense=np.ones(DIM, np.float32), sparse=None, limit=50, where={}, mode="dense"))
+    backend.set_payload({"doc_id": "d1"}, {"visible": 0})
+    assert backend.count({"visible": 1}) == len(SENTENCES) - 4
+    backend.delete({"doc_id": "d1", "page": Not(2)})
+    assert backend.count({"doc_id": "d1"}) == 1  # only the d1 chunk on page 2 is left
+    with pytest.raises(ValueError):
+        backend.delete({})
+    with pytest.raises(ValueError, match="needs"):
+        backend.query(dense=None, sparse=None, limit=1, where={}, mode="hybrid")
+
+
+def test_both_backends_return_identical_results(tmp_path):
+    results = {}
+    for kind in BACKENDS:
+        index = make_backend(kind, tmp_path)
+        fill(index)
+        results[kind] = run_queries(index)
+        index.close()
+    edge, client = results["edge"], results["qdrant-client"]
+    assert edge.keys() == client.keys()
+    for key in edge:
+        if isinstance(key, tuple):
+            assert [h[1] for h in edge[key]] == pytest.approx([h[1] for h in client[key]], abs=2e-3), key
+            assert tie_groups(edge[key]) == tie_groups(client[key]), key
+        else:
+            assert edge[key] == client[key], key
+    assert any(edge[k] for k in edge if isinstance(k, tuple) and k[1] == "hybrid")
+
+
+def test_pipeline_and_retriever_agree_across_backends(tmp_path):
+    make_pdf(tmp_path / "m.pdf", [(f"Chapter {i + 1}", ". ".join(SENTENCES[3 * i:3 * i + 3]) + f". Marker PM{i + 1}X.")
+                                  for i in range(4)])
+    (tmp_path / "n.md").write_text("# Notes\n\nThe breaker for PM2X lives in room 4.\n")
+    embedder = HashEmbedder(DIM)
+    answers = {}
+    for kind in BACKENDS:
+        index = make_backend(kind, tmp_path / kind)
+        ingester = Ingester(index, embedder, Chunker(embedder.tokenize, chunk_tokens=64, overlap_tokens=8))
+        assert [r.status for r in ingester.ingest([tmp_path / "m.pdf", tmp_path / "n.md"])] == ["added", "added"]
+        assert ingester.ingest_file(tmp_path / "n.md").status == "unchanged"
+        retriever = Retriever(index, embedder)
+        searches = [[(h.chunk_id, round(h.score, 4), (h.file_name, h.page, h.text)) for h in retriever.search(q, k=20)]
+                    for q in ("PM2X breaker room", "marker PM4X", "pump seals", "voltage at night")]
+        answers[kind] = {"search": searches, "read": [(p.page, p.text) for p in retriever.read("m.pdf", [3])],
+                         "docs": [d["doc_id"] for d in retriever.documents()]}
+        index.close()
+    edge, client = answers["edge"], answers["qdrant-client"]
+    assert edge["read"] == client["read"] and edge["docs"] == client["docs"]
+    for e, c in zip(edge["search"], client["search"]):
+        # k covers every chunk, so both return all of them; near-tied BM25 scores may swap neighbours,
+        # which moves RRF scores by less than 1e-3
+        assert len(e) == len(c) >= 5 and {h[0] for h in e} == {h[0] for h in c}
+        assert e[0][0] == c[0][0]
+        assert [h[1] for h in e] == pytest.approx([h[1] for h in c], abs=2e-3)
+    assert edge["search"][0][0][2][0] == "n.md" and edge["search"][1][0][2][1] == 4
