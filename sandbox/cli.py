@@ -43,8 +43,8 @@ def _cmd_run(args: argparse.Namespace, config: AssistantConfig) -> int:
     code = sys.stdin.read() if args.code == "-" else args.code
     with DockerExecutor(_with_runtime(config, args.runtime).sandbox) as executor:
         out = executor.run(code, conversation_id="cli")
-    sys.stdout.write(out.stdout)
-    sys.stderr.write(out.stderr)
+    for stream, text in ((sys.stdout, out.stdout), (sys.stderr, out.stderr)):
+        stream.write(text if not text or text.endswith("\n") else text + "\n")
     for f in out.files:
         print(f"[artifact] {f.name} ({f.size} bytes)", file=sys.stderr)
     status = "timed out" if out.timed_out else "out of memory" if out.oom else f"exit {out.exit_code}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import re
 import socket
@@ -34,6 +35,8 @@ from sandbox.base import Artifact, CodeOutput, Executor, join_truncated
 from sandbox.pool import SessionPool, Slot
 from sandbox.setup import ENABLE_COMMAND, check_socket_access, image_exists, ping_daemon, runsc_available
 
+log = logging.getLogger(__name__)
+
 LABEL = "org.offline-assistant.sandbox"
 WORK_DIR = "/tmp"  # the size-capped tmpfs; must match sandbox/kernel.py
 UPLOADS_MOUNT = "/data"  # a conversation's uploads, read-only
@@ -49,7 +52,11 @@ RUNSC_MIN_PIDS = 4096  # host pids cap under gVisor: the sentry's threads and st
 
 
 class _KernelGone(Exception):
-    """The kernel's stdout closed: it exited or was killed."""
+    """The kernel exited or was killed (`exited`), or its channel carried something that is not a reply."""
+
+    def __init__(self, message: str, *, exited: bool = False):
+        super().__init__(message)
+        self.exited = exited
 
 
 class _Channel:
@@ -93,9 +100,9 @@ class _Channel:
             except socket.timeout:
                 raise TimeoutError from None
             except OSError as e:
-                raise _KernelGone(str(e)) from e
+                raise _KernelGone(str(e), exited=True) from e
             if not chunk:
-                raise _KernelGone("the kernel's output closed")
+                raise _KernelGone("the kernel's output closed", exited=True)
             self._raw += chunk
             self._demux()
 
@@ -154,7 +161,7 @@ class DockerExecutor(Executor):
             box = slot.session
             try:
                 box.channel.send(request)
-                reply = box.channel.receive(timeout=cfg.timeout_s)
+                return _to_output(box.channel.receive(timeout=cfg.timeout_s), started)
             except TimeoutError:
                 self._pool.discard(slot)
                 return CodeOutput(
@@ -167,17 +174,6 @@ class DockerExecutor(Executor):
                 )
             except (_KernelGone, OSError) as e:
                 return self._kernel_died(slot, e, started)
-        return CodeOutput(
-            stdout=join_truncated(*_window(reply["stdout"])),
-            stderr=join_truncated(*_window(reply["stderr"])),
-            exit_code=int(reply["exit"]),
-            files=tuple(
-                Artifact(f["name"], int(f["size"]), base64.b64decode(f["data"]) if f["data"] is not None else None)
-                for f in reply["files"]
-            ),
-            duration_s=time.monotonic() - started,
-            oom=bool(reply["oom"]),
-        )
 
     def reset(self, conversation_id: str) -> None:
         self._pool.remove(conversation_id)
@@ -270,22 +266,29 @@ class DockerExecutor(Executor):
 
     def _stop(self, box: _Box) -> None:
         box.channel.close()
-        _remove(self._client.api, box.container_id)
+        try:
+            _remove(self._client.api, box.container_id)
+        except Exception as e:  # noqa: BLE001 - e.g. dockerd went away; remove_orphans retries later
+            log.warning("Could not remove sandbox container %s: %s", box.container_id[:12], e)
 
     def _kernel_died(self, slot: Slot[_Box], error: Exception, started: float) -> CodeOutput:
         box = slot.session
         exit_code, oom = 137, False
+        exited = getattr(error, "exited", True)
         try:
-            api = self._client.api
-            exit_code = int(api.wait(box.container_id, timeout=10).get("StatusCode", 137))
-            oom = bool(api.inspect_container(box.container_id)["State"].get("OOMKilled"))
+            if exited:  # the container is stopping: its exit code and OOM flag tell what happened
+                api = self._client.api
+                exit_code = int(api.wait(box.container_id, timeout=10).get("StatusCode", 137))
+                oom = bool(api.inspect_container(box.container_id)["State"].get("OOMKilled"))
         except Exception:  # noqa: BLE001 - best effort: the container is going away anyway
             pass
         self._pool.discard(slot)
         if oom:
             why = f"ran out of memory (limit {self.config.memory_mb} MB) and was killed"
-        else:
+        elif exited:
             why = f"exited with code {exit_code} ({error})"
+        else:
+            why = f"was stopped because {error}"
         return CodeOutput(
             stdout="",
             stderr=f"The Python session {why}. It was restarted: variables and files are gone.",
@@ -369,6 +372,24 @@ def _logs(api, container_id: str) -> str:
         return f"; container stderr: {text}" if text else ""
     except Exception:  # noqa: BLE001
         return ""
+
+
+def _to_output(reply: dict, started: float) -> CodeOutput:
+    """The kernel's reply as a CodeOutput; _KernelGone when it is not a reply (the code wrote on our channel)."""
+    try:
+        return CodeOutput(
+            stdout=join_truncated(*_window(reply["stdout"])),
+            stderr=join_truncated(*_window(reply["stderr"])),
+            exit_code=int(reply["exit"]),
+            files=tuple(
+                Artifact(str(f["name"]), int(f["size"]), base64.b64decode(f["data"]) if f["data"] is not None else None)
+                for f in reply["files"]
+            ),
+            duration_s=time.monotonic() - started,
+            oom=bool(reply["oom"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _KernelGone(f"malformed reply from the kernel ({e!r})") from e
 
 
 def _window(triple: list) -> tuple[bytes, bytes, int]:

@@ -290,3 +290,9 @@ def test_setup_command_is_idempotent(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "[2/4] Docker daemon: running." in out and "present" in out and "Sandbox ready" in out
     assert err == ""
+
+
+def test_code_writing_on_the_kernel_channel_only_breaks_its_own_session(executor, conv):
+    out = executor.run("import os\nfor fd in range(3, 10):\n    try:\n        os.write(fd, b'{\"junk\": 1}\\n')\n    except OSError:\n        pass", conv)
+    assert not out.timed_out  # a garbled reply restarts that conversation's session, nothing more
+    assert run_ok(executor, "print('alive')", conv).strip() == "alive"
