@@ -109,6 +109,12 @@ class Retriever:
     def close(self) -> None:
         self.index.close()
 
+    def __enter__(self) -> "Retriever":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def hit_from_payload(point_id: str, score: float, p: dict[str, Any]) -> Hit:
     return Hit(chunk_id=point_id, doc_id=p["doc_id"], path=p["path"], page=int(p["page"]), heading=p.get("heading", ""),
