@@ -47,6 +47,15 @@ class EngineConfig:
     max_context_tokens: int = 0  # prompt + answer budget; 0 = the model's own context window (capped at 32768)
     max_new_tokens: int = 512  # default answer length limit when a request does not give one
     remote_url: str = ""  # an OpenAI-compatible server (vLLM, TGI, ...) instead of the in-process model
+    remote_api_key: str = ""  # bearer token for remote_url, if the server wants one
+    quantize: str = "auto"  # weights: "auto" (int8 on CPU, none on CUDA), "none", "int8" (weight-only, per channel)
+    kv_cache_mb: int = 1024  # memory for the paged KV cache; bounds concurrent context tokens
+    block_size: int = 16  # tokens per KV block (prefix cache granularity)
+    max_num_seqs: int = 16  # requests decoded together in one batch
+    max_batched_tokens: int = 512  # tokens computed per engine step
+    max_prefill_chunk: int = 32  # prefill tokens per step while other requests are streaming
+    max_waiting: int = 64  # queued requests before new ones are refused as busy
+    prefix_cache: bool = True  # reuse KV of shared prompt prefixes (system prompt, earlier turns, documents)
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ class RetrievalConfig:
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    image: str = "assistant-sandbox:1"  # locally built image (see `assistant sandbox setup`)
+    image: str = "assistant-sandbox:2"  # locally built image (see `assistant sandbox setup`); bump when its recipe changes
     runtime: str = "runc"  # "runc" or "runsc" (gVisor)
     memory_mb: int = 512  # memory limit == memory+swap limit
     cpus: float = 1.0  # CPU quota
@@ -154,6 +163,11 @@ class AssistantConfig:
             raise ConfigError(f"engine.num_threads={e.num_threads} must be >= 0 (0 picks automatically).")
         if e.max_new_tokens < 1:
             raise ConfigError(f"engine.max_new_tokens={e.max_new_tokens} must be at least 1.")
+        if e.quantize not in ("auto", "none", "int8"):
+            raise ConfigError(f"engine.quantize={e.quantize!r} is not valid: use auto, none or int8.")
+        for name in ("kv_cache_mb", "block_size", "max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "max_waiting"):
+            if getattr(e, name) < 1:
+                raise ConfigError(f"engine.{name}={getattr(e, name)} must be at least 1.")
         if e.max_context_tokens < 0:
             raise ConfigError(f"engine.max_context_tokens={e.max_context_tokens} must be >= 0 (0 = model's window).")
         if not 0 < s.port < 65536:

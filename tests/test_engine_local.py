@@ -1,59 +1,89 @@
-"""LocalEngine plumbing on a randomly initialised tiny Qwen2 (real tokenizer + chat template).
+"""Engines on a randomly initialised tiny Qwen2 with the real tokenizer and chat template.
 
-Loads the model through the "local HF directory" path, exactly like a user's own checkpoint would.
+The model is loaded through the "local HF directory" path, exactly like a user's own checkpoint.
+Every backend (batched LocalEngine in fp32 and int8, the one-at-a-time HFLoopEngine) must pass the
+same streaming/stop/cancel tests; the batching tests check that batching changes nothing:
+batched greedy == sequential greedy, streaming == non-streaming, prefix-cache hit == cold.
 """
 
+from __future__ import annotations
+
+import os
 import shutil
 import threading
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from assistant.config import AssistantConfig
 from assistant.engine.base import SamplingParams
+from tests.conftest import REPO_ROOT
 from tests.real import prepared_default_model
 
 pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    import os
-    from pathlib import Path
-
+def tiny_config(tmp_path_factory) -> AssistantConfig:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from assistant.engine.local import LocalEngine
-
-    from tests.conftest import REPO_ROOT
 
     models_dir = Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models"))
     source = prepared_default_model(models_dir)
     tiny = tmp_path_factory.mktemp("tiny-qwen")
-    tokenizer = AutoTokenizer.from_pretrained(source)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          eos_token_id=151645, tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(tiny)
-    tokenizer.save_pretrained(tiny)
-    for name in ("generation_config.json",):
-        shutil.copy(source / name, tiny / name)
-    cfg = AssistantConfig.load(env={}, overrides={"engine.model": str(tiny), "engine.num_threads": 1})
-    return LocalEngine.from_config(cfg)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tiny)
+    shutil.copy(source / "generation_config.json", tiny / "generation_config.json")
+    return AssistantConfig.load(env={}, overrides={"engine.model": str(tiny), "engine.num_threads": 1,
+                                                   "engine.kv_cache_mb": 8, "engine.block_size": 4})
+
+
+@pytest.fixture(scope="module", params=["local-fp32", "local-int8", "hf-loop"])
+def engine(request, tiny_config):
+    from assistant.engine.hf_loop import HFLoopEngine
+    from assistant.engine.loading import load_model
+    from assistant.engine.local import LocalEngine
+
+    loaded = load_model(tiny_config)
+    if request.param == "hf-loop":
+        eng = HFLoopEngine(loaded)
+    else:
+        quantize = "int8" if request.param == "local-int8" else "none"
+        eng = LocalEngine(loaded, replace(tiny_config.engine, quantize=quantize))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_config):
+    from assistant.engine.loading import load_model
+    from assistant.engine.local import LocalEngine
+
+    eng = LocalEngine(load_model(tiny_config), replace(tiny_config.engine, quantize="none", max_prefill_chunk=8))
+    yield eng
+    eng.close()
 
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
-def _run(engine, params, **kw):
-    deltas = list(engine.generate(MESSAGES, params, **kw))
+def _run(engine, params, prompt=MESSAGES, **kw):
+    deltas = list(engine.generate(prompt, params, **kw))
     return "".join(d.text for d in deltas), deltas
+
+
+def _tokens(deltas):
+    return [t for d in deltas for t in d.token_ids]
 
 
 def test_stream_matches_full_decode_and_greedy_is_deterministic(engine):
     text, deltas = _run(engine, SamplingParams(max_tokens=24))
-    ids = [t for d in deltas for t in d.token_ids]
+    ids = _tokens(deltas)
     assert text == engine.tokenizer.decode([t for t in ids if t not in engine.eos_ids], skip_special_tokens=True)
     assert _run(engine, SamplingParams(max_tokens=24))[0] == text
     assert deltas[-1].finish_reason in ("stop", "length")
@@ -61,17 +91,15 @@ def test_stream_matches_full_decode_and_greedy_is_deterministic(engine):
 
 
 def test_max_tokens_gives_length(engine):
-    _, deltas = _run(engine, SamplingParams(max_tokens=5))
-    eos = any(t in engine.eos_ids for d in deltas for t in d.token_ids)
-    assert eos or (deltas[-1].finish_reason == "length" and deltas[-1].num_generated_tokens == 5)
+    _, deltas = _run(engine, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert deltas[-1].finish_reason == "length" and deltas[-1].num_generated_tokens == 5 == len(_tokens(deltas))
 
 
 def test_stop_string_cuts_the_answer(engine):
-    text, _ = _run(engine, SamplingParams(max_tokens=40))
-    if len(text) < 12:
-        pytest.skip("random model stopped too early to pick a stop string")
+    text, _ = _run(engine, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert len(text) >= 12, "a 40-token answer is long enough to pick a stop string from"
     stop = text[6:9]
-    cut, deltas = _run(engine, SamplingParams(max_tokens=40, stop=(stop,)))
+    cut, deltas = _run(engine, SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True))
     assert cut == text[: text.find(stop)] and deltas[-1].finish_reason == "stop"
 
 
@@ -82,19 +110,20 @@ def test_seeded_sampling_is_reproducible(engine):
 
 def test_cancel_and_close_free_the_engine(engine):
     cancel = threading.Event()
-    stream = engine.generate(MESSAGES, SamplingParams(max_tokens=200), cancel=cancel)
+    stream = engine.generate(MESSAGES, SamplingParams(max_tokens=200, ignore_eos=True), cancel=cancel)
     next(stream)
     cancel.set()
-    last = list(stream)[-1]
-    assert last.finish_reason == "cancelled"
-    abandoned = engine.generate(MESSAGES, SamplingParams(max_tokens=200))
+    assert list(stream)[-1].finish_reason == "cancelled"
+    abandoned = engine.generate(MESSAGES, SamplingParams(max_tokens=200, ignore_eos=True))
     next(abandoned)
-    abandoned.close()  # client gone: the lock must be released
+    abandoned.close()  # client gone: its slot must be freed
     result = []
     worker = threading.Thread(target=lambda: result.append(_run(engine, SamplingParams(max_tokens=3))))
     worker.start()
     worker.join(timeout=60)
-    assert result, "engine still locked after the stream was closed"
+    assert result, "engine still busy after the stream was closed"
+    if hasattr(engine, "blocks"):
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # every KV block is back
 
 
 def test_prompt_longer_than_window_is_refused(engine):
@@ -102,3 +131,61 @@ def test_prompt_longer_than_window_is_refused(engine):
 
     with pytest.raises(EngineError, match="context window"):
         list(engine.generate([{"role": "user", "content": "word " * 600}], SamplingParams(max_tokens=4)))
+
+
+PROMPTS = [[{"role": "user", "content": f"Request {i}: " + "tell me more " * (i * 3)}] for i in range(8)]
+
+
+def test_batched_greedy_equals_sequential_greedy(batched):
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    sequential = [_tokens(_run(batched, params, p)[1]) for p in PROMPTS]
+    streams = [batched.generate(p, params) for p in PROMPTS]  # all queued before any is read
+    results: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=lambda i=i, s=s: results.__setitem__(i, _tokens(list(s))))
+               for i, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results[i] for i in range(len(PROMPTS))] == sequential
+
+
+def test_streaming_equals_non_streaming(batched):
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    streamed = [d.text for d in batched.generate(PROMPTS[3], params)]
+    assert len([t for t in streamed if t]) > 1
+    whole = batched.tokenizer.decode(_tokens(list(batched.generate(PROMPTS[3], params))), skip_special_tokens=True)
+    assert "".join(streamed) == whole
+
+
+def test_prefix_hit_output_equals_cold_output(tiny_config, batched):
+    from assistant.engine.loading import load_model
+    from assistant.engine.local import LocalEngine
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    long_prompt = [{"role": "system", "content": "shared context " * 40}, {"role": "user", "content": "Go."}]
+    cold_engine = LocalEngine(load_model(tiny_config), replace(tiny_config.engine, quantize="none", prefix_cache=False))
+    cold = _tokens(_run(cold_engine, params, long_prompt)[1])
+    cold_engine.close()
+    first = _run(batched, params, long_prompt)[1]
+    again = _run(batched, params, long_prompt)[1]
+    assert first[-1].num_cached_tokens == 0 and again[-1].num_cached_tokens >= 80  # of 96 prompt tokens
+    assert _tokens(first) == _tokens(again) == cold
+    assert batched.stats()["prefix_cache_hits"] > 0
+
+
+def test_kv_exhaustion_preempts_and_everyone_finishes(tiny_config):
+    from assistant.engine.loading import load_model
+    from assistant.engine.local import LocalEngine
+
+    # ~1 KB/token here, so 0.125 MB holds ~128 tokens: 4 prompts of ~40 tokens + 40 answers cannot all fit
+    small = LocalEngine(load_model(tiny_config), replace(tiny_config.engine, quantize="none", kv_cache_mb=1))
+    small.blocks.__init__(32, small.blocks.block_size)  # shrink the pool to 32 blocks x 4 tokens
+    small.context_window = 128
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = [_tokens(_run(small, params, p)[1]) for p in PROMPTS[:4]]
+    streams = [small.generate(p, params) for p in PROMPTS[:4]]
+    together = [_tokens(list(s)) for s in streams]
+    assert together == alone  # preempted requests were recomputed, not corrupted
+    assert small.blocks.num_free_blocks == 32
+    small.close()

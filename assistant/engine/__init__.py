@@ -23,6 +23,16 @@ def create_engine(config: AssistantConfig) -> Engine:
         from assistant.engine.remote import RemoteEngine
 
         return RemoteEngine.from_config(config)
-    from assistant.engine.local import LocalEngine
+    import logging
 
-    return LocalEngine.from_config(config)
+    from assistant.engine.hf_loop import HFLoopEngine
+    from assistant.engine.loading import load_model
+    from assistant.engine.local import LocalEngine
+    from assistant.engine.model import unsupported_reason
+
+    loaded = load_model(config)
+    reason = unsupported_reason(loaded.model.config)
+    if reason:
+        logging.getLogger(__name__).warning("Serving one request at a time with transformers: %s.", reason)
+        return HFLoopEngine(loaded)
+    return LocalEngine(loaded, config.engine)

@@ -1,4 +1,7 @@
-"""LocalEngine: the in-process transformers model behind the Engine seam.
+"""HFLoopEngine: any transformers causal LM behind the Engine seam, one request at a time.
+
+The fallback for checkpoints the batched LocalEngine's lean model does not implement (see
+model.unsupported_reason), and the reference the batched engine is tested against.
 
 A plain prefill/decode loop (nanoGPT / gpt-fast shape) over transformers' model forward with its
 `DynamicCache` as the KV cache: `prefill` runs the whole prompt once and fills the cache, then
@@ -8,7 +11,7 @@ stop strings across token boundaries, and no logits-processor overhead per token
 `generate()` by bench/engine_baseline.py).
 
 Requests are served one at a time (a lock); iteration-level batching, prefix caching and int8 weights
-belong to the scheduler that replaces this loop without changing the interface.
+live in LocalEngine (local.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from assistant.engine.base import (
     TokenDelta,
 )
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
-from assistant.engine.loading import LoadedModel, load_model
+from assistant.engine.loading import LoadedModel, eos_token_ids, load_model
 from assistant.engine.sampling import sample
 from assistant.errors import EngineError
 
@@ -45,7 +48,7 @@ def decode_one_token(model: Any, token: Any, cache: Any) -> Any:
     return out.logits[:, -1, :]
 
 
-class LocalEngine(Engine):
+class HFLoopEngine(Engine):
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -54,25 +57,11 @@ class LocalEngine(Engine):
         self.name = loaded.name
         self.context_window = loaded.context_window
         self._lock = threading.Lock()
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_token_ids(self.model, self.tokenizer)
 
     @classmethod
-    def from_config(cls, config: AssistantConfig) -> "LocalEngine":
+    def from_config(cls, config: AssistantConfig) -> "HFLoopEngine":
         return cls(load_model(config))
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(int(v) for v in value)
-        for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
-            token_id = self.tokenizer.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id and token_id >= 0:
-                ids.add(token_id)
-        return ids
 
     # -- prompt rendering ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:

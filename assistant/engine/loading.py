@@ -123,3 +123,19 @@ def load_model(config: AssistantConfig) -> LoadedModel:
         window = min(window, config.engine.max_context_tokens)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, name=config.engine.model,
                        context_window=min(window, 32768))
+
+
+def eos_token_ids(hf_model: Any, tokenizer: Any) -> set[int]:
+    """Every token that ends an answer: the config's EOS ids plus the chat templates' end-of-turn tokens."""
+    ids: set[int] = set()
+    for source in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id >= 0 and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return ids

@@ -1,0 +1,189 @@
+"""A lean decoder-only transformer (Llama / Qwen2 / Mistral family) for the batched engine.
+
+Why not run transformers' own forward: the scheduler packs a *ragged* batch (several sequences, each
+with its own number of new tokens and its own paged KV blocks) into one flat tensor of tokens, so
+that every linear layer runs once per step over all of them; per-sequence work is only attention.
+transformers' forward wants padded (B, T) batches plus masks and its per-call overhead dominated small
+models here (MACHINE.md: 95 ms vs a 31 ms bandwidth floor for SmolLM2). The weights come from the HF
+model (any local dir or GGUF that transformers loads), so loading stays the library's job.
+
+Shapes: T = tokens in this step (all sequences), D = hidden, H/KVH = query/kv heads, hd = head dim.
+
+Weight-only int8 (`quantize="int8"`): per-output-channel symmetric int8 weights through
+`torch._weight_int8pack_mm` with bf16 activations: 4x fewer weight bytes than fp32, and decode is
+bandwidth-bound. Dynamic int8 activations (`torch._int_mm`, VNNI) were faster for prefill-sized inputs
+but are not used: the kernel would have to change with the batch size, so a request's output would
+depend on what else is in the batch (batched greedy must equal sequential greedy), and W8A8 loses
+more quality on Qwen's activation outliers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    dim: int  # hidden size D
+    num_layers: int
+    num_heads: int  # H
+    num_kv_heads: int  # KVH (grouped-query attention when < H)
+    head_dim: int  # hd
+    rms_eps: float
+    rope_theta: float
+    max_position: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "ModelArgs":
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        heads = cfg.num_attention_heads
+        return cls(
+            vocab_size=cfg.vocab_size, dim=cfg.hidden_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_eps=cfg.rms_norm_eps, rope_theta=float(theta), max_position=cfg.max_position_embeddings,
+        )
+
+
+def unsupported_reason(hf_config: Any) -> str | None:
+    """Why the lean model cannot run this checkpoint (then the engine falls back to HF's forward)."""
+    arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        return f"architecture {arch} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        return f"rope scaling {rope.get('rope_type')} is not implemented"
+    if getattr(hf_config, "use_sliding_window", False) or getattr(hf_config, "hidden_act", "silu") != "silu":
+        return "sliding-window attention / non-SiLU activations are not implemented"
+    return None
+
+
+class Linear:
+    """y = x @ W.T + b, with W kept as fp32/bf16 or as per-channel int8 + scales."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype):
+        self.bias = None if bias is None else bias.to(dtype)
+        self.int8 = quantize == "int8"
+        if self.int8:
+            w = weight.float()
+            scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,)
+            self.weight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # (N, K)
+            self.scale = scale.to(torch.bfloat16)  # (N,)
+        else:
+            self.weight = weight.to(dtype).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, K) -> (T, N)
+        if not self.int8:
+            return F.linear(x, self.weight, self.bias)
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(args: ModelArgs, max_len: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)  # (L, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (L, hd), HF's rotate_half layout
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, nh, hd); cos/sin (T, 1, hd)."""
+    half = x.size(-1) // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class SeqBatch:
+    """One sequence's slice of a ragged step."""
+
+    start: int  # offset of its new tokens in the flat token tensor
+    num_new: int  # new tokens this step (a prefill chunk, or 1 when decoding)
+    context_len: int  # tokens in its KV after this step (cached + new)
+    kv_slots: torch.Tensor  # (context_len,) cache slot of every context position, oldest first
+
+
+class Transformer:
+    def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], *, quantize: str | None, dtype: torch.dtype,
+                 device: Any) -> None:
+        self.args, self.dtype, self.device, self.quantize = args, dtype, device, quantize
+        get = lambda name: state[name].to(device)  # noqa: E731
+        opt = lambda name: state[name].to(device) if name in state else None  # noqa: E731
+        self.embed = get("model.embed_tokens.weight").to(dtype)  # (V, D)
+        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        self.lm_head = Linear(head.to(device), None, quantize, dtype)
+        self.norm = get("model.norm.weight").to(dtype)
+        self.layers = []
+        for i in range(args.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            self.layers.append({
+                "attn_norm": get(p + "input_layernorm.weight").to(dtype),
+                "qkv": Linear(qkv_w, qkv_b, quantize, dtype),
+                "o": Linear(get(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias"), quantize, dtype),
+                "mlp_norm": get(p + "post_attention_layernorm.weight").to(dtype),
+                "gate_up": Linear(gate_up, None, quantize, dtype),
+                "down": Linear(get(p + "mlp.down_proj.weight"), None, quantize, dtype),
+            })
+        self.cos, self.sin = rope_tables(args, min(args.max_position, 32768), device)
+
+    @classmethod
+    def from_hf(cls, hf_model: Any, *, quantize: str | None = None) -> "Transformer":
+        args = ModelArgs.from_hf_config(hf_model.config)
+        param = next(hf_model.parameters())
+        return cls(args, dict(hf_model.state_dict()), quantize=quantize, dtype=param.dtype, device=param.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
+                kv: Any) -> torch.Tensor:
+        """tokens, positions (T,) -> logits (B, V) at the last new token of each sequence.
+
+        Writes this step's keys/values into `kv` (slots = the last `num_new` of each seq's kv_slots).
+        """
+        a = self.args
+        new_slots = torch.cat([s.kv_slots[s.context_len - s.num_new:] for s in seqs])  # (T,)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (T, 1, hd)
+        h = self.embed[tokens]  # (T, D)
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer["attn_norm"], a.rms_eps)
+            q, k, v = layer["qkv"](x).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(-1, a.num_heads, a.head_dim), cos, sin)  # (T, H, hd)
+            k = apply_rope(k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)  # (T, KVH, hd)
+            kv.write(i, new_slots, k, v.view(-1, a.num_kv_heads, a.head_dim))
+            out = torch.empty_like(q)
+            for s in seqs:
+                keys, values = kv.read(i, s.kv_slots)  # (ctx, KVH, hd)
+                out[s.start:s.start + s.num_new] = attention(q[s.start:s.start + s.num_new], keys, values)
+            h = h + layer["o"](out.view(-1, q_size))
+            x = rms_norm(h, layer["mlp_norm"], a.rms_eps)
+            gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+            h = h + layer["down"](F.silu(gate) * up)
+        last = torch.tensor([s.start + s.num_new - 1 for s in seqs], device=h.device)
+        return self.lm_head(rms_norm(h[last], self.norm, a.rms_eps)).float()  # (B, V)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q (n, H, hd) are the last n positions of a context whose k, v are (ctx, KVH, hd) -> (n, H, hd)."""
+    n, ctx = q.size(0), k.size(0)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, len, hd)
+    if n == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+    else:  # causal, aligned bottom-right: query j sees keys 0 .. ctx - n + j
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)

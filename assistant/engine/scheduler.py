@@ -1,0 +1,188 @@
+"""Iteration-level scheduler (continuous batching) for the local engine.
+
+NOTE — the model of scheduling (after vLLM v1):
+  There are no prefill and decode phases. Every request has `all_ids` (prompt + generated tokens)
+  and `num_computed_tokens` (how many of those already have KV in the cache). Each step the scheduler
+  hands out a token budget: a request gets `num_new` tokens to catch up, which is a chunk of its
+  prompt while it is prefilling and exactly 1 once it is decoding. After the step, a request whose
+  computed count reached its length samples one token, which makes it one longer again.
+  * Running requests are served first, oldest first, so streams already talking keep talking.
+  * While any request is decoding, prefill gets at most `max_prefill_chunk` tokens per step, so a
+    long prompt arriving never stalls running streams for more than one small chunk (chunked prefill).
+  * Waiting requests are admitted FCFS while the budget, `max_num_seqs` and KV blocks allow; their
+    prompts first reuse cached prefix blocks (prefix caching), which counts as already computed.
+  * When a running request needs a block and none is free, the newest running request is preempted:
+    its blocks are released and it goes back to the front of the waiting queue, to be recomputed
+    later (cheaply when its blocks are still in the prefix cache). Never an out-of-memory crash.
+  * A request that could not fit even in an empty cache is refused with a clear error, and the
+    waiting queue is bounded (the engine refuses new work when it is full).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from assistant.engine.base import SamplingParams
+from assistant.engine.kv_cache import BlockManager
+
+
+class RequestStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2  # EOS or a stop string
+    FINISHED_LENGTH = 3  # max_tokens or the context window
+    FINISHED_CANCELLED = 4  # caller cancelled / went away
+    FINISHED_REFUSED = 5  # cannot ever fit in KV memory
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int  # prompt + answer may not exceed this (the context window)
+    request_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache (first admission)
+    num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    cancel: threading.Event = field(default_factory=threading.Event)
+    state: Any = None  # engine-side per-request state (detokenizer, output queue, ...)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]]  # (request, num_new tokens to compute this step), in batch order
+    num_batched_tokens: int  # sum of num_new
+    preempted: list[Request]  # sent back to waiting this step
+    refused: list[Request]  # finished with FINISHED_REFUSED this step
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16  # requests in the running batch
+    max_batched_tokens: int = 512  # tokens computed per step (all requests together)
+    max_prefill_chunk: int = 32  # prefill tokens per step while some request is decoding
+    max_waiting: int = 64  # bounded waiting queue
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config, self.blocks = config, blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> bool:
+        """Queue a request; False when the waiting queue is full."""
+        if len(self.waiting) >= self.config.max_waiting:
+            return False
+        self.waiting.append(request)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        refused: list[Request] = []
+        decoding = any(r.num_computed_tokens >= len(r.prompt_ids) for r in self.running)
+        prefill_cap = cfg.max_prefill_chunk if decoding else cfg.max_batched_tokens
+
+        queue = list(self.running)
+        while queue and budget > 0:
+            request = queue.pop(0)
+            num_new = self._num_new(request, budget, prefill_cap)
+            while not self.blocks.allocate(request.block_table, request.num_computed_tokens + num_new):
+                victim = self.running[-1]  # the newest
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim in queue:
+                    queue.remove(victim)
+                if victim is request:
+                    num_new = 0
+                    break
+            if num_new:
+                scheduled.append((request, num_new))
+                budget -= num_new
+
+        while self.waiting and not preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            if self.blocks.blocks_needed(request.num_tokens) > self.blocks.num_blocks:
+                self.waiting.popleft()
+                request.status = RequestStatus.FINISHED_REFUSED
+                refused.append(request)
+                continue
+            if not request.block_table:
+                request.block_table = self.blocks.match_prefix(request.all_ids)
+                request.num_computed_tokens = len(request.block_table) * self.blocks.block_size
+                if not request.output_ids:
+                    request.num_cached_tokens = request.num_computed_tokens
+            num_new = self._num_new(request, budget, prefill_cap)
+            if not self.blocks.allocate(request.block_table, request.num_computed_tokens + num_new):
+                self.blocks.free_blocks(request.block_table)  # give back the prefix hits; retry next step
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+            prefill_cap = min(prefill_cap, cfg.max_prefill_chunk)  # later admissions are chunked too
+        return SchedulerOutput(scheduled, cfg.max_batched_tokens - budget, preempted, refused)
+
+    def _num_new(self, request: Request, budget: int, prefill_cap: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining > 1:  # prefilling (or recomputing after preemption)
+            return max(1, min(remaining, budget, prefill_cap))
+        return min(remaining, budget)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free_blocks(request.block_table)
+        request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request from the scheduler and release its KV blocks (within this step)."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.free_blocks(request.block_table)
+
+    def after_step(self, request: Request, num_new: int) -> bool:
+        """Account for a computed step; True when the request should sample its next token now."""
+        request.num_computed_tokens += num_new
+        request.num_registered_blocks = self.blocks.register_full_blocks(
+            request.block_table, request.all_ids, request.num_computed_tokens, request.num_registered_blocks)
+        return request.num_computed_tokens == request.num_tokens
