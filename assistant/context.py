@@ -1,31 +1,65 @@
-"""Fitting a conversation into the model's context window.
+"""Fitting a turn's prompt into the model's context window, and accounting for its tokens.
 
 Design note — the context budget:
-  budget = context_window - reserve, where reserve is the answer's max_tokens.
-  The prompt is laid out stable-part-first: system prompt, then history oldest to newest, then the
-  new user message. Stable parts first means consecutive turns of one conversation share a long
-  token prefix, which an engine with a prefix cache reuses instead of recomputing.
-  When the prompt is over budget, whole *turns* are dropped oldest first (a turn is a user message
-  and everything after it up to the next user message), so the model never sees an answer without
-  its question. The system prompt and the newest user message are never dropped; if those alone do
-  not fit, the turn fails with a message that says how long the input may be.
-  The number of dropped messages is reported in the turn's Usage event.
+  budget = context_window - reserve, where reserve is the answer's max_tokens (never given away).
+  The prompt is laid out stable-part-first, so consecutive turns (and consecutive tool steps of one
+  turn) share a long token prefix that an engine with a prefix cache reuses:
+      system prompt + tool specs          (the chat template renders the specs into the system turn)
+      memory                              (summary of turns that no longer fit; changes rarely)
+      history                             (earlier turns, oldest first)
+      retrieved context                   (this turn's passages "[n] doc p. N: text", best first)
+      user message
+      tool steps of this turn             (assistant tool calls and tool results, in order)
+  When it is over budget, parts give way in this order, each step re-measured with the real
+  tokenizer (`count_tokens` renders the chat template, tool specs included):
+    1. oldest whole *turns* of history (a user message and everything up to the next one; the model
+       never sees an answer without its question). With a `summarize` callback (the orchestrator
+       passes one that asks the model, see Orchestrator.summarize) the dropped turns are folded into
+       the memory, at most MAX_MEMORY_TOKENS long; without one they are simply dropped;
+    2. retrieved passages, lowest ranked first (the model can still fetch them with a tool);
+    3. outputs of this turn's earlier tool steps, oldest first, cut to a marker line;
+  The system prompt, the tool specs and the new user message are never cut: if they alone do not
+  fit, the turn fails with a message that says how long the input may be.
+  The plan reports the tokens of each part (`breakdown`) and what gave way; the orchestrator emits
+  them as the turn's Usage event.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from assistant.engine.base import Message
 from assistant.errors import EngineError
 
+MAX_MEMORY_TOKENS = 160  # answer budget of one summary of dropped turns
+CUT_TOOL_OUTPUT = "(output removed to fit the context window)"
+
+CountTokens = Callable[..., int]  # count_tokens(messages, tools=...) -> int
+Summarize = Callable[[str, Sequence[Message]], str]  # (previous memory, dropped messages) -> new memory
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    system: Message  # {"role": "system", "content": system prompt}
+    user: Message  # the new user message
+    history: Sequence[Message] = ()  # earlier turns on the active branch, oldest first
+    memory: str = ""  # summary of older turns already left out ("" = none)
+    context: Sequence[str] = ()  # rendered retrieved passages, best first
+    steps: Sequence[Message] = ()  # this turn's tool calls and results
+    tools: Sequence[dict] = ()  # tool specs offered this step
+
 
 @dataclass(frozen=True)
 class ContextPlan:
     messages: list[Message]  # what goes to the engine
-    prompt_tokens: int  # tokens of the rendered prompt
-    num_dropped: int  # history messages left out
+    prompt_tokens: int  # tokens of the rendered prompt (tool specs included)
+    num_dropped: int  # history messages left out (summarised or not)
+    memory: str = ""  # the memory the prompt carries (new when `num_summarised` > 0)
+    num_summarised: int = 0  # history messages newly folded into `memory` by this plan
+    num_context_dropped: int = 0  # retrieved passages left out
+    num_steps_cut: int = 0  # tool outputs of this turn cut to a marker
+    breakdown: dict[str, int] = field(default_factory=dict)  # tokens per part, see layout()
 
 
 def split_turns(history: Sequence[Message]) -> list[list[Message]]:
@@ -37,26 +71,122 @@ def split_turns(history: Sequence[Message]) -> list[list[Message]]:
     return turns
 
 
+def memory_message(memory: str) -> Message:
+    return {"role": "system", "content": f"Summary of the earlier conversation:\n{memory}"}
+
+
+def context_message(passages: Sequence[str]) -> Message:
+    return {"role": "system", "content": (
+        "Passages from the user's documents:\n" + "\n".join(passages) + "\n\nAnswer from these passages when "
+        "they are relevant. After each fact write the number of its passage in square brackets, e.g. [1].")}
+
+
+def layout(parts: PromptParts) -> list[Message]:
+    """The messages in prompt order (see the design note)."""
+    messages: list[Message] = [parts.system]
+    if parts.memory:
+        messages.append(memory_message(parts.memory))
+    messages.extend(parts.history)
+    if parts.context:
+        messages.append(context_message(parts.context))
+    messages.append(parts.user)
+    messages.extend(parts.steps)
+    return messages
+
+
+def fit_prompt(
+    parts: PromptParts,
+    *,
+    count_tokens: CountTokens,
+    context_window: int,
+    reserve: int,
+    summarize: Summarize | None = None,
+) -> ContextPlan:
+    """Lay out `parts` within context_window - reserve tokens, giving way as the design note says."""
+    budget = context_window - reserve
+    tools = list(parts.tools) or None
+    turns = split_turns(parts.history)
+    context, steps = list(parts.context), [dict(m) for m in parts.steps]
+    memory, summarised, context_dropped, steps_cut = parts.memory, 0, 0, 0
+    dropped: list[Message] = []
+
+    def measure() -> tuple[list[Message], int]:
+        current = PromptParts(parts.system, parts.user, [m for t in turns for m in t], memory, context, steps, parts.tools)
+        messages = layout(current)
+        return messages, count_tokens(messages, tools=tools)
+
+    messages, tokens = measure()
+    if tokens > budget and turns:
+        # 1. history, oldest whole turns first; leave room for the new memory when summarising
+        current_memory = tokens_of(memory_message(memory), count_tokens) if memory else 0
+        room = max(0, MAX_MEMORY_TOKENS + 8 - current_memory) if summarize else 0
+        while tokens > budget - room and turns:
+            dropped.extend(turns.pop(0))
+            messages, tokens = measure()
+        if summarize and dropped:
+            memory = summarize(memory, dropped)
+            summarised = len(dropped)
+            messages, tokens = measure()
+    while tokens > budget:
+        if turns:  # the new memory came out longer than planned
+            dropped.extend(turns.pop(0))
+        elif context:  # 2. retrieved passages, lowest ranked first
+            context.pop()
+            context_dropped += 1
+        elif (i := _first_uncut_output(steps)) is not None:  # 3. earlier tool outputs of this turn
+            steps[i]["content"] = CUT_TOOL_OUTPUT
+            steps_cut += 1
+        else:
+            raise EngineError(
+                f"The message is too long for the model: the prompt needs {tokens} tokens but only {budget} fit "
+                f"(context window {context_window}, {reserve} kept for the answer). Shorten it or split it up."
+            )
+        messages, tokens = measure()
+    breakdown = _breakdown(parts, memory, turns, context, steps, tokens, count_tokens, budget, reserve)
+    return ContextPlan(messages, tokens, len(dropped), memory, summarised, context_dropped, steps_cut, breakdown)
+
+
+def tokens_of(message: Message, count_tokens: CountTokens) -> int:
+    return count_tokens([message])
+
+
+def _first_uncut_output(steps: list[Message]) -> int | None:
+    for i, m in enumerate(steps[:-1] if len(steps) > 1 else steps):  # the newest result is cut last
+        if m["role"] == "tool" and m["content"] != CUT_TOOL_OUTPUT:
+            return i
+    return None
+
+
+def _breakdown(parts: PromptParts, memory: str, turns: list[list[Message]], context: list[str],
+               steps: list[Message], total: int, count_tokens: CountTokens, budget: int, reserve: int) -> dict[str, int]:
+    def count(messages: list[Message]) -> int:
+        return count_tokens(messages) if messages else 0
+
+    system = count([parts.system])
+    out = {
+        "system": system,
+        "tools": max(0, count_tokens([parts.system], tools=list(parts.tools)) - system) if parts.tools else 0,
+        "memory": count([memory_message(memory)]) if memory else 0,
+        "history": count([m for t in turns for m in t]),
+        "retrieved": count([context_message(context)]) if context else 0,
+        "user": count([parts.user]),
+        "tool_steps": count(steps),
+    }
+    out["total"] = total
+    out["reserved_answer"] = reserve
+    out["free"] = max(0, budget - total)
+    return out
+
+
 def fit_history(
     system: Message,
     history: Sequence[Message],
     user: Message,
     *,
-    count_tokens: Callable[[Sequence[Message]], int],
+    count_tokens: CountTokens,
     context_window: int,
     reserve: int,
 ) -> ContextPlan:
-    budget = context_window - reserve
-    turns = split_turns(history)
-    dropped = 0
-    while True:
-        messages = [system, *(m for turn in turns for m in turn), user]
-        tokens = count_tokens(messages)
-        if tokens <= budget:
-            return ContextPlan(messages, tokens, dropped)
-        if not turns:
-            raise EngineError(
-                f"The message is too long for the model: the prompt needs {tokens} tokens but only {budget} fit "
-                f"(context window {context_window}, {reserve} kept for the answer). Shorten it or split it up."
-            )
-        dropped += len(turns.pop(0))
+    """History only, oldest whole turns dropped (the plain chat path; kept for callers of the spine)."""
+    return fit_prompt(PromptParts(system, user, history), count_tokens=count_tokens,
+                      context_window=context_window, reserve=reserve)

@@ -86,6 +86,8 @@ class Usage(TurnEvent):
     context_window: int
     dropped_messages: int = 0  # history messages left out to fit the window
     cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
+    num_steps: int = 1  # engine calls this turn (tool steps + final answer)
+    breakdown: dict[str, int] = field(default_factory=dict)  # prompt tokens per part (see context.py)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,110 @@
+"""Model routing: a small and a large engine, chosen per engine call, with fallback to the small one.
+
+Design note — the policy (`RoutingPolicy`):
+  * simple turns go to the small model: a plain question with a short prompt;
+  * a call goes to the large model when the prompt is long (>= long_prompt_tokens), when it carries
+    retrieved document passages, or when it follows a tool step of this turn (reading tool output
+    and deciding what to do next is where the small model fails most) — the "tool-heavy" case;
+  * the large engine is created on first use (loading it takes a while); if it cannot be created
+    (not prepared), is overloaded (`EngineBusy`) or fails before its first token, the call falls
+    back to the small model and the orchestrator emits a Notice saying why. A large model that
+    could not be loaded is not retried for `retry_after_s`.
+  Routing only ever picks an engine; both engines see exactly the same messages and tools.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from assistant.engine.base import Engine, TokenDelta
+from assistant.errors import AssistantError, EngineBusy
+
+SMALL, LARGE = "small", "large"
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    long_prompt_tokens: int = 1536  # prompts at least this long go to the large model
+    large_for_documents: bool = True  # calls that carry retrieved passages go to the large model
+    large_after_tools: bool = True  # calls that follow a tool step of this turn go to the large model
+    retry_after_s: float = 300.0  # after the large model failed to load, use the small one this long
+
+
+@dataclass(frozen=True)
+class Route:
+    role: str  # SMALL or LARGE
+    reason: str  # why, for logs and the stored message meta
+
+
+class Router:
+    """Picks the engine for one call and streams from it, falling back to the small engine."""
+
+    def __init__(self, small: Engine, large: Engine | Callable[[], Engine] | None = None,
+                 policy: RoutingPolicy | None = None) -> None:
+        self.small = small
+        self._large = large if isinstance(large, Engine) else None
+        self._large_factory = None if isinstance(large, Engine) or large is None else large
+        self.policy = policy or RoutingPolicy()
+        self._lock = threading.Lock()
+        self._large_failed_at = 0.0
+        self._large_error = ""
+
+    @property
+    def has_large(self) -> bool:
+        return self._large is not None or self._large_factory is not None
+
+    def choose(self, *, prompt_tokens: int, has_documents: bool, after_tool_step: bool) -> Route:
+        p = self.policy
+        if not self.has_large:
+            return Route(SMALL, "no large model configured")
+        if prompt_tokens >= p.long_prompt_tokens:
+            return Route(LARGE, f"long prompt ({prompt_tokens} tokens)")
+        if has_documents and p.large_for_documents:
+            return Route(LARGE, "document passages")
+        if after_tool_step and p.large_after_tools:
+            return Route(LARGE, "tool step")
+        return Route(SMALL, "simple turn")
+
+    def large(self) -> Engine:
+        """The large engine, created on first use; raises AssistantError when it cannot be."""
+        with self._lock:
+            if self._large is not None:
+                return self._large
+            if time.monotonic() - self._large_failed_at < self.policy.retry_after_s and self._large_failed_at:
+                raise EngineBusy(f"the large model is unavailable ({self._large_error})")
+            try:
+                self._large = self._large_factory()  # type: ignore[misc]
+            except AssistantError as e:
+                self._large_failed_at, self._large_error = time.monotonic(), str(e)
+                raise
+            return self._large
+
+    def engine(self, route: Route) -> Engine:
+        return self.large() if route.role == LARGE else self.small
+
+    def generate(self, route: Route, *args, notices: list[str], **kwargs) -> tuple[Engine, Iterator[TokenDelta]]:
+        """(engine used, its delta stream). A large-model failure before the first delta falls back to
+        the small engine and appends a user-facing line to `notices`."""
+        if route.role == SMALL:
+            return self.small, self.small.generate(*args, **kwargs)
+        try:
+            engine = self.large()
+            stream = engine.generate(*args, **kwargs)
+            first = next(stream, None)
+        except AssistantError as e:
+            notices.append(f"The large model is not available right now ({e}); the small model answers instead.")
+            return self.small, self.small.generate(*args, **kwargs)
+        return engine, _prepend(first, stream)
+
+    def close(self) -> None:
+        if self._large is not None:
+            self._large.close()
+
+
+def _prepend(first: TokenDelta | None, rest: Iterator[TokenDelta]) -> Iterator[TokenDelta]:
+    if first is not None:
+        yield first
+    yield from rest

@@ -1,0 +1,204 @@
+"""The agent loop with a scripted engine: tool calls parsed, validated, run, fed back; repairs; bounds."""
+
+import json
+
+import pytest
+
+from assistant.agent import ToolCallSplitter, loads_lenient, parse_reply
+from assistant.events import Done, Notice, TextDelta, ToolCallFinished, ToolCallStarted, Usage
+from assistant.orchestrator import AgentOptions
+from tests.agent_fakes import AddTool, make_orchestrator
+from tools.base import Tool, ToolContext, validate_arguments, ToolInputError
+from tools.registry import ToolRegistry
+
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+def _text(events):
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def test_tool_call_result_then_final_answer(tmp_path):
+    add = AddTool()
+    orch, engine = make_orchestrator(tmp_path, CALL, "The sum is 5.", tools=[add])
+    events = list(orch.run_turn(None, "What is 2 + 3? Use the tool."))
+    started = next(e for e in events if isinstance(e, ToolCallStarted))
+    finished = next(e for e in events if isinstance(e, ToolCallFinished))
+    assert (started.name, started.arguments) == ("add", {"a": 2, "b": 3})
+    assert finished.ok and finished.summary == "5" and finished.call_id == started.call_id
+    assert add.calls == [(2, 3)] and add.num_setups == 1
+    assert _text(events) == events[-1].text == "The sum is 5."  # the call's JSON never reaches the user
+    # the tool specs went through the chat template seam, and the result came back as a tool message
+    assert [t["function"]["name"] for t in engine.tools_seen[0]] == ["add"]
+    second = engine.prompts[1]
+    assert second[-2]["role"] == "assistant" and second[-2]["tool_calls"][0]["function"]["name"] == "add"
+    assert second[-1] == {"role": "tool", "name": "add", "content": "5", "tool_call_id": started.call_id}
+    stored = orch.store.get_message(events[-1].message_id)
+    assert stored.meta["steps"] == [{"name": "add", "arguments": {"a": 2, "b": 3}, "ok": True, "summary": "5",
+                                     "artifacts": []}]
+    usage = next(e for e in events if isinstance(e, Usage))
+    assert usage.num_steps == 2 and usage.breakdown["total"] == usage.prompt_tokens
+
+
+def test_fenced_json_call_as_the_small_model_writes_it(tmp_path):
+    fenced = '```json\n{\n  "name": "add",\n  "arguments": {\n    "a": 4, "b": 5\n    }\n  }\n}\n```'
+    orch, engine = make_orchestrator(tmp_path, fenced, "9.", tools=[AddTool()])
+    events = list(orch.run_turn(None, "4+5?"))
+    assert any(isinstance(e, ToolCallFinished) and e.summary == "9" for e in events)
+    assert events[-1].text == "9." and "```" not in _text(events)
+
+
+def test_malformed_call_is_repaired_once_with_the_error_as_observation(tmp_path):
+    broken = '<tool_call>{"name": "add", "arguments": "a=2 b=3"}</tool_call>'
+    orch, engine = make_orchestrator(tmp_path, broken, CALL, "It is 5.", tools=[AddTool()])
+    events = list(orch.run_turn(None, "2+3?"))
+    repair = engine.prompts[1]
+    assert repair[-2] == {"role": "assistant", "content": broken}
+    assert repair[-1]["role"] == "tool" and "must be a JSON object" in repair[-1]["content"]
+    failed = [e for e in events if isinstance(e, ToolCallFinished) and not e.ok]
+    assert len(failed) == 1 and failed[0].name == "invalid_tool_call"
+    assert any(isinstance(e, ToolCallFinished) and e.ok and e.summary == "5" for e in events)
+    assert events[-1].text == "It is 5." and events[-1].finish_reason == "stop"
+
+
+def test_second_malformed_call_withdraws_tools_and_still_answers(tmp_path):
+    bad = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    orch, engine = make_orchestrator(tmp_path, bad, bad, "I cannot use tools; 2+3 is 5.", tools=[AddTool()])
+    events = list(orch.run_turn(None, "2+3?"))
+    assert "no tool named 'nope'" in engine.prompts[1][-1]["content"]
+    assert any(isinstance(e, Notice) and "without tools" in e.message for e in events)
+    assert engine.tools_seen[2] is None  # the last call offered no tools
+    assert events[-1].text == "I cannot use tools; 2+3 is 5."
+
+
+def test_bad_arguments_are_an_observation_not_a_crash(tmp_path):
+    add = AddTool()
+    orch, engine = make_orchestrator(
+        tmp_path, '<tool_call>{"name": "add", "arguments": {"a": "two", "b": 3}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a": -1, "b": 3}}</tool_call>', "Done.", tools=[add])
+    events = list(orch.run_turn(None, "add"))
+    results = [e for e in events if isinstance(e, ToolCallFinished)]
+    assert [r.ok for r in results] == [False, False] and add.calls == []
+    assert "must be a integer" in engine.prompts[1][-1]["content"]
+    assert "a must not be negative" in engine.prompts[2][-1]["content"]
+    assert events[-1].text == "Done."
+
+
+def test_max_steps_bounds_the_loop(tmp_path):
+    orch, engine = make_orchestrator(tmp_path, CALL, CALL, CALL, "Finally 5.", tools=[AddTool()],
+                                     options=AgentOptions(max_steps=2))
+    events = list(orch.run_turn(None, "loop"))
+    assert sum(isinstance(e, ToolCallStarted) for e in events) == 2
+    assert len(engine.prompts) == 3 and engine.tools_seen[2] is None
+    assert events[-1].text.startswith("<tool_call>")  # without tools a call is just text
+
+
+def test_text_before_a_call_streams_and_the_call_is_held_back(tmp_path):
+    orch, _ = make_orchestrator(tmp_path, ["Let me add. ", "<tool", "_call>", '{"name": "add", ',
+                                           '"arguments": {"a": 1, "b": 1}}', "</tool_call>"], "2.", tools=[AddTool()])
+    events = list(orch.run_turn(None, "1+1"))
+    assert _text(events) == "Let me add. 2."
+    assert isinstance(events[0], TextDelta) and events[0].text == "Let me add. "
+
+
+def test_no_tools_means_no_specs_and_plain_streaming(tmp_path):
+    orch, engine = make_orchestrator(tmp_path, ['{"a": 1}'])
+    events = list(orch.run_turn(None, "json please"))
+    assert engine.tools_seen == [None] and events[-1].text == '{"a": 1}'
+
+
+def test_disabled_tool_is_not_offered_in_that_conversation_only(tmp_path):
+    orch, engine = make_orchestrator(tmp_path, "a", "b", tools=[AddTool()])
+    cid = list(orch.run_turn(None, "one"))[-1].conversation_id
+    orch.tools.disable(cid, "add")
+    list(orch.run_turn(cid, "two"))
+    assert engine.tools_seen[0] is not None and engine.tools_seen[1] is None
+    assert [t.name for t in orch.tools.enabled("other")] == ["add"]
+    orch.tools.enable(cid, "add")
+    assert [t.name for t in orch.tools.enabled(cid)] == ["add"]
+
+
+# -- parsing ----------------------------------------------------------------------------------------
+
+
+def test_parse_reply_formats():
+    names = {"add"}
+    assert parse_reply(CALL, names).calls[0].arguments == {"a": 2, "b": 3}
+    bare = parse_reply('{"name": "add", "arguments": {"a": 1, "b": 2}}', names)
+    assert bare.calls[0].name == "add" and bare.text == ""
+    two = parse_reply(CALL + "\n" + CALL.replace("2", "7"), names)
+    assert [c.arguments["a"] for c in two.calls] == [2, 7]
+    code = parse_reply("```python\nprint(1)\n```", names)
+    assert not code.wants_tools and code.text.startswith("```python")
+    as_string = parse_reply('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>', names)
+    assert as_string.calls[0].arguments == {"a": 1, "b": 2}
+
+
+def test_lenient_json_repairs():
+    assert loads_lenient('{"name": "x", "arguments": {"code": "a"}}}')[0]["name"] == "x"  # extra brace
+    assert loads_lenient('{"name": "x", "arguments": {"code": "a"}')[0]["arguments"] == {"code": "a"}  # missing
+    assert loads_lenient('{"code": "def f():"\n + "  return 1"}')[0] == {"code": "def f():  return 1"}
+    obj, error = loads_lenient("{name: x}")
+    assert obj is None and "line 1" in error
+
+
+def test_splitter_releases_text_but_holds_possible_markers():
+    s = ToolCallSplitter(["add"])
+    assert s.feed("Hello ") == "Hello "
+    assert s.feed("``") == ""  # could open ```json
+    assert s.feed("`python\n") == "```python\n"
+    assert s.feed("x = 1\n```") == "x = 1\n"
+    reply, rest = s.finish()
+    assert not reply.wants_tools and rest == "```"
+
+
+# -- the contract -----------------------------------------------------------------------------------
+
+
+def test_contract_is_checked_when_the_class_is_defined():
+    with pytest.raises(TypeError, match="forward"):
+        class Mismatch(Tool):
+            name = "mismatch"
+            description = "d"
+            inputs = {"x": {"type": "string", "description": "x"}}
+
+            def forward(self, y):
+                return y
+    with pytest.raises(TypeError, match="name"):
+        class BadName(Tool):
+            name = "Bad Name"
+            description = "d"
+            inputs = {}
+
+            def forward(self):
+                return ""
+    with pytest.raises(TypeError, match="type"):
+        class BadType(Tool):
+            name = "bad_type"
+            description = "d"
+            inputs = {"x": {"type": "str", "description": "x"}}
+
+            def forward(self, x):
+                return x
+
+
+def test_spec_and_validation():
+    spec = AddTool().spec()["function"]
+    assert spec["name"] == "add" and spec["parameters"]["required"] == ["a", "b"]
+    assert validate_arguments("add", AddTool.inputs, {"a": "3", "b": 4}) == {"a": 3, "b": 4}
+    with pytest.raises(ToolInputError, match="needs the argument 'b'"):
+        validate_arguments("add", AddTool.inputs, {"a": 1})
+    with pytest.raises(ToolInputError, match="no argument 'c'"):
+        validate_arguments("add", AddTool.inputs, {"a": 1, "b": 2, "c": 3})
+
+
+def test_registry_rejects_non_tools_and_duplicates():
+    registry = ToolRegistry([AddTool()])
+    with pytest.raises(ValueError):
+        registry.register(AddTool())
+    with pytest.raises(TypeError):
+        registry.register(object())
+    with pytest.raises(KeyError):
+        registry.disable("c", "missing")
+    result = registry.get("add")({"a": 1, "b": 2}, ToolContext("c"))
+    assert result.ok and result.text == "3" and json.loads(result.text) == 3

@@ -1,0 +1,177 @@
+"""Document tools over the Retriever seam: `search_documents` (top-k chunks) and `read_document`
+(whole pages, for "summarise the file", "how many…", "compare the two documents").
+
+Both register what they return in the turn's SourceLedger, so every passage the model sees has a
+marker `[n]` it can cite and the orchestrator can verify. The retriever is any object with
+`search(query, k, filters) -> [hit]` (hit: chunk_id, doc_id, path or doc, page, text),
+`read(doc, pages) -> [page]` (page: doc_id, path, page, text) and `documents() -> [record]`;
+`ingest.retriever.Retriever` is the real one, tests pass a small fake.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from assistant.citations import Passage, SourceLedger
+from tools.base import Tool, ToolContext, ToolInputError, ToolResult
+
+MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
+MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
+
+
+class RetrieverLike(Protocol):
+    def search(self, query: str, k: int | None = None, filters: dict[str, Any] | None = None) -> Sequence[Any]: ...
+
+    def read(self, doc: str, pages: list[int] | None = None) -> Sequence[Any]: ...
+
+    def documents(self) -> Sequence[dict]: ...
+
+
+class RetrieverHandle:
+    """Opens the retriever on first use (loading the embedder takes seconds) and shares it."""
+
+    def __init__(self, factory: Callable[[], RetrieverLike], *, top_k: int = 4,
+                 index_dir: Path | None = None) -> None:
+        self._factory = factory
+        self._index_dir = index_dir  # embedded index location: nothing there means no documents (no load)
+        self._retriever: RetrieverLike | None = None
+        self._lock = threading.Lock()
+        self.top_k = top_k
+
+    @classmethod
+    def from_config(cls, config: Any, *, retriever: RetrieverLike | None = None) -> "RetrieverHandle | None":
+        """None when the ingest package is not part of this build (and no retriever was given)."""
+        top_k = min(getattr(getattr(config, "retrieval", None), "top_k", 4), 4)
+        if retriever is not None:
+            return cls(lambda: retriever, top_k=top_k)
+        try:
+            from ingest.retriever import Retriever
+        except ImportError:
+            return None
+        r = config.retrieval
+        index_dir = None if r.qdrant_url else Path(config.data_dir) / "qdrant"
+        return cls(lambda: Retriever.from_config(config), top_k=top_k, index_dir=index_dir)
+
+    def get(self) -> RetrieverLike:
+        with self._lock:
+            if self._retriever is None:
+                self._retriever = self._factory()
+            return self._retriever
+
+    def has_documents(self) -> bool:
+        if self._retriever is None and self._index_dir is not None and not self._index_dir.exists():
+            return False
+        try:
+            return bool(self.get().documents())
+        except Exception:  # no index yet, or the backend cannot open: nothing to retrieve from
+            return False
+
+
+def doc_name(item: Any) -> str:
+    """A document's display name: the file name of its path."""
+    for attr in ("file_name", "doc", "path", "doc_id"):
+        value = getattr(item, attr, None) if not isinstance(item, dict) else item.get(attr)
+        if value:
+            return Path(str(value)).name
+    return "document"
+
+
+def add_hit(ledger: SourceLedger, hit: Any) -> Passage:
+    return ledger.add(doc_name(hit), getattr(hit, "page", None), hit.text, str(hit.chunk_id))
+
+
+def add_page(ledger: SourceLedger, page: Any) -> Passage:
+    chunk_id = f"{getattr(page, 'doc_id', doc_name(page))}:p{page.page}"
+    return ledger.add(doc_name(page), page.page, page.text, chunk_id)
+
+
+def search_passages(handle: RetrieverHandle, ledger: SourceLedger, query: str, *, k: int | None = None,
+                    document: str | None = None) -> list[Passage]:
+    filters = {"file_name": Path(document).name} if document else None
+    hits = handle.get().search(query, k or handle.top_k, filters)
+    return [add_hit(ledger, hit) for hit in hits]
+
+
+def read_passages(handle: RetrieverHandle, ledger: SourceLedger, document: str,
+                  pages: list[int] | None = None) -> list[Passage]:
+    try:
+        found = handle.get().read(document, pages or None)
+    except Exception as e:  # DocumentNotFound and friends: the model named something that is not there
+        if type(e).__name__ in ("DocumentNotFound", "KeyError", "FileNotFoundError"):
+            names = ", ".join(doc_name(d) for d in handle.get().documents()) or "none"
+            raise ToolInputError(f"No document {document!r}. Documents: {names}.") from e
+        raise
+    return [add_page(ledger, page) for page in found]
+
+
+def _ledger(ctx: ToolContext) -> SourceLedger:
+    if ctx.sources is None:
+        ctx.sources = SourceLedger()
+    return ctx.sources
+
+
+class SearchDocumentsTool(Tool):
+    name = "search_documents"
+    description = (
+        "Search the user's uploaded documents. Returns numbered passages like '[1] file.pdf p. 3: text'. "
+        "Cite the passages you use with their numbers, e.g. [1]."
+    )
+    inputs = {
+        "query": {"type": "string", "description": "what to look for, in a few words"},
+        "document": {"type": "string", "description": "only search this file name", "nullable": True},
+    }
+
+    def __init__(self, handle: RetrieverHandle) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def available(self) -> bool:
+        return self.handle.has_documents()  # offered only once something is ingested
+
+    def forward(self, query: str, document: str | None, ctx: ToolContext) -> ToolResult:
+        passages = search_passages(self.handle, _ledger(ctx), query, document=document)
+        if not passages:
+            return ToolResult("No passage matches. Try other words, or read_document for a whole file.",
+                              summary="no matches")
+        text = "\n".join(p.render(MAX_PASSAGE_CHARS) for p in passages)
+        where = ", ".join(sorted({f"{p.doc} p. {p.page}" for p in passages}))
+        return ToolResult(text, summary=f"{len(passages)} passages: {where}", data=passages)
+
+
+class ReadDocumentTool(Tool):
+    name = "read_document"
+    description = (
+        "Read whole pages of one of the user's documents (all pages when none are given). Use it to "
+        "summarise a file, count things in it or compare documents. Returns numbered pages like "
+        "'[1] file.pdf p. 2: text'; cite them with their numbers."
+    )
+    inputs = {
+        "document": {"type": "string", "description": "the file name, e.g. report.pdf"},
+        "pages": {"type": "array", "items": {"type": "integer"}, "description": "1-based page numbers",
+                  "nullable": True},
+    }
+
+    def __init__(self, handle: RetrieverHandle) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def available(self) -> bool:
+        return self.handle.has_documents()
+
+    def forward(self, document: str, pages: list[int] | None, ctx: ToolContext) -> ToolResult:
+        passages = read_passages(self.handle, _ledger(ctx), document, pages)
+        if not passages:
+            return ToolResult(f"{document} has no such pages.", ok=False, summary="no pages")
+        parts, used = [], 0
+        for p in passages:
+            rendered = p.render()
+            if used + len(rendered) > MAX_READ_CHARS and parts:
+                rest = [q.page for q in passages[len(parts):]]
+                parts.append(f"(pages {rest} not shown: ask for them with the pages argument)")
+                break
+            parts.append(rendered)
+            used += len(rendered)
+        return ToolResult("\n".join(parts), summary=f"read {passages[0].doc}: {len(passages)} pages",
+                          data=passages)
