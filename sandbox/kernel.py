@@ -66,6 +66,7 @@ def reply(out, obj):
 
 def run_cell(request, namespace, num, kernel_pid, devnull):
     paths = (PRIVATE + "/stdout", PRIVATE + "/stderr")
+    os.makedirs(PRIVATE, exist_ok=True)  # the code may have deleted it
     before = scan(WORK)
     oom_before = oom_kills()
     for fd, path in zip((1, 2), paths):

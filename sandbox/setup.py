@@ -282,11 +282,21 @@ def build_image(image: str, mirror: str, log_path: Path, *, say: Say = print) ->
         shutil.rmtree(root, ignore_errors=True)
 
 
+# Removed from the image: docs, locales, caches; static libraries; the C compiler proper (pulled in by
+# pythran; nothing at run time compiles, and /tmp is noexec anyway); the libraries' own test suites.
+TRIM_PATTERNS = (
+    "usr/share/doc/*", "usr/share/man/*", "usr/share/info/*", "usr/share/locale/*", "usr/share/lintian/*",
+    "var/cache/apt/*", "var/cache/debconf/*-old", "var/lib/apt/lists/*", "var/log/*",
+    "usr/lib/**/*.a", "usr/lib/gcc/*/*/cc1", "usr/lib/gcc/*/*/cc1plus", "usr/lib/gcc/*/*/lto1",
+    "usr/bin/*-lto-dump-*",
+    *(f"usr/lib/python3/dist-packages/{pkg}/**/tests" for pkg in ("numpy", "pandas", "matplotlib", "scipy", "sympy")),
+    "usr/lib/python3/dist-packages/sympy/integrals/rubi/rubi_tests",
+)  # fmt: skip
+
+
 def _trim_rootfs(root: Path) -> None:
-    for pattern in ("usr/share/doc/*", "usr/share/man/*", "usr/share/info/*", "usr/share/locale/*",
-                    "usr/share/lintian/*", "var/cache/apt/*", "var/cache/debconf/*-old", "var/lib/apt/lists/*",
-                    "var/log/*"):  # fmt: skip
-        for path in root.glob(pattern):
+    for pattern in TRIM_PATTERNS:
+        for path in sorted(root.glob(pattern), reverse=True):  # children before parents
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:

@@ -296,3 +296,16 @@ def test_code_writing_on_the_kernel_channel_only_breaks_its_own_session(executor
     out = executor.run("import os\nfor fd in range(3, 10):\n    try:\n        os.write(fd, b'{\"junk\": 1}\\n')\n    except OSError:\n        pass", conv)
     assert not out.timed_out  # a garbled reply restarts that conversation's session, nothing more
     assert run_ok(executor, "print('alive')", conv).strip() == "alive"
+
+
+def test_parallel_conversations_do_not_mix(executor):
+    from concurrent.futures import ThreadPoolExecutor
+
+    conversations = [f"parallel-{uuid.uuid4().hex[:6]}-{i}" for i in range(3)]
+
+    def work(conversation: str) -> str:
+        run_ok(executor, f"me = {conversation!r}", conversation)
+        return run_ok(executor, "import time\ntime.sleep(0.2)\nprint(me)", conversation).strip()
+
+    with ThreadPoolExecutor(len(conversations)) as pool:
+        assert list(pool.map(work, conversations)) == conversations
