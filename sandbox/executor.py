@@ -6,7 +6,8 @@ like a notebook. We talk to it over the container's attached stdin/stdout (one J
 so a warm run costs a socket round trip rather than a `docker exec` (~80 ms) and a fresh python3.
 Every limit from SANDBOX.md is set at creation: no network, memory == memory+swap, CPU quota, pids
 cap, read-only root, size-capped noexec tmpfs as the only writable place (/tmp, the work dir), all
-capabilities dropped, no-new-privileges, uid 65534. The wall-clock limit is ours: when no reply comes
+capabilities dropped, no-new-privileges, uid 65534 (besides /tmp only /dev/shm is writable: 16 MB of
+POSIX shared memory for multiprocessing, charged to the memory limit). The wall-clock limit is ours: when no reply comes
 in time the container is removed (killed) and the next run gets a fresh one; the same happens when
 the kernel dies (OOM, os._exit). `runtime="runsc"` (gVisor) uses the same code path.
 

@@ -209,3 +209,15 @@ def test_executor_without_engine_is_unavailable(monkeypatch, tmp_path):
     monkeypatch.setattr(setup, "DOCKER_SOCKET", str(tmp_path / "no-docker.sock"))
     with pytest.raises(ToolUnavailable, match="sandbox setup"):
         DockerExecutor(SandboxConfig())
+
+
+def test_agent_wrapper_reads_the_interpreters_result(tmp_path, fake):
+    pytest.importorskip("tools.python_tool")
+    from tools.base import ToolContext
+    from tools.python_tool import PythonTool
+
+    tool = PythonTool(CodeInterpreterTool(executor=fake, artifacts_dir=tmp_path))
+    ok = tool({"code": "open('p.txt', 'w').write('x'); print(6 * 7)"}, ToolContext(conversation_id="c9"))
+    assert ok.ok and ok.summary == "42" and len(ok.artifacts) == 1 and "p.txt" in ok.text
+    failed = tool({"code": "import nope"}, ToolContext(conversation_id="c9"))
+    assert not failed.ok and "ModuleNotFoundError" in failed.text
