@@ -23,6 +23,8 @@ from typing import Any, Iterable
 from assistant.events import Source
 
 MARKER = re.compile(r"\[(\d{1,3}(?:\s*,\s*\d{1,3})*)\]")
+MARKER_RUN = re.compile(r"(?<![\w)\]])(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\])+")  # not `a[1]`: that is code
+CODE = re.compile(r"```.*?(?:```|$)|`[^`\n]*`", re.S)  # fenced and inline code is never touched
 WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'.-]*[A-Za-z0-9]|[A-Za-z0-9]")
 MIN_SHARED_WORDS = 3  # content words an uncited sentence must share with a passage to be attributed to it
 SNIPPET_CHARS = 240  # evidence text kept per source
@@ -98,7 +100,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
             (cited if n in good else dropped).append(n)
         return f"[{', '.join(map(str, good))}]" if good else ""
 
-    text = MARKER.sub(keep_valid, answer)
+    text = _outside_code(answer, lambda prose: MARKER_RUN.sub(lambda run: MARKER.sub(keep_valid, run.group(0)), prose))
     if dropped:
         text = re.sub(r"[ \t]+([.,;:!?])", r"\1", text)  # "fact [9]." -> "fact."
         text = re.sub(r"[ \t]{2,}", " ", text)
@@ -135,6 +137,15 @@ def attribute_sentences(answer: str, passages: Iterable[Passage]) -> tuple[str, 
             used.append(best.marker)
         out.append(sentence)
     return "".join(out), used
+
+
+def _outside_code(text: str, edit) -> str:
+    out, last = [], 0
+    for m in CODE.finditer(text):
+        out += [edit(text[last:m.start()]), m.group(0)]
+        last = m.end()
+    out.append(edit(text[last:]))
+    return "".join(out)
 
 
 def content_words(text: str) -> set[str]:

@@ -17,7 +17,7 @@ from assistant.config import AssistantConfig
 from assistant.errors import AssistantError
 
 # Subsystems that add subcommands; a missing optional package just means no subcommand.
-SUBSYSTEM_CLIS = ("ingest.cli", "sandbox.cli", "assistant.evaluate")
+SUBSYSTEM_CLIS = ("ingest.cli", "sandbox.cli", "assistant.evaluate", "assistant.conversations")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

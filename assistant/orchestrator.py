@@ -137,7 +137,7 @@ class Orchestrator:
         meta: dict[str, Any] = {"usage": turn.usage_meta(), "finish_reason": turn.finish, "model": turn.model,
                                 "route": turn.route, "steps": turn.steps}
         final = turn.text
-        if len(turn.ledger):
+        if len(turn.ledger) or turn.documents:
             check = verify_citations(final, turn.ledger)
             final = check.text
             meta.update(check.to_meta())
@@ -155,6 +155,7 @@ class Orchestrator:
         chat, ids, memory = _prompt_history(history)
         tools = self.tools.enabled(turn.cid)
         by_name = {t.name: t for t in tools}
+        turn.documents = "search_documents" in by_name  # markers are checked whenever documents could be cited
         ctx = ToolContext(turn.cid, turn.ledger)
         context = yield from self._auto_retrieve(user.content, by_name, turn.ledger)
         steps: list[Message] = []
@@ -270,6 +271,7 @@ class _Turn:
         self.context_window = 0
         self.breakdown: dict[str, int] = {}
         self.memory: dict[str, str] | None = None
+        self.documents = False  # the conversation had documents to cite this turn
 
     @property
     def text(self) -> str:

@@ -209,6 +209,33 @@ class Store:
             head = message.parent_id
         return path[::-1]
 
+    def children(self, conversation_id: str, parent_id: str | None) -> list[StoredMessage]:
+        """Messages directly under `parent_id` (None: the roots), oldest first: the branches at that point."""
+        with self.db.connect() as c:
+            rows = c.execute(select(messages).where(messages.c.conversation_id == conversation_id)
+                             .where(messages.c.parent_id == parent_id if parent_id is not None
+                                    else messages.c.parent_id.is_(None))
+                             .order_by(messages.c.created_at)).mappings().all()
+        return [StoredMessage(**r) for r in rows]
+
+    def siblings(self, message_id: str) -> list[StoredMessage]:
+        """The message and its alternatives (edits of a question, regenerated answers), oldest first."""
+        message = self.get_message(message_id)
+        return self.children(message.conversation_id, message.parent_id)
+
+    def switch_branch(self, conversation_id: str, message_id: str) -> StoredMessage:
+        """Make the branch through `message_id` active: the head moves to its newest descendant leaf."""
+        message = self.get_message(message_id)
+        if message.conversation_id != conversation_id:
+            raise StoreError(f"Message {message_id} is not part of conversation {conversation_id}.")
+        while True:
+            below = self.children(conversation_id, message.id)
+            if not below:
+                break
+            message = below[-1]
+        self.set_head(conversation_id, message.id)
+        return message
+
     def export(self, conversation_id: str) -> dict[str, Any]:
         conv = self.get_conversation(conversation_id)
         return {"id": conv.id, "title": conv.title, "created_at": conv.created_at,

@@ -1,0 +1,122 @@
+"""Citations: markers verified against what this turn retrieved; made-up ones dropped; sources stored."""
+
+from assistant.citations import SourceLedger, verify_citations
+from assistant.events import Done, Sources, TextDelta, ToolCallFinished, ToolCallStarted
+from tests.agent_fakes import MANUAL, FakeRetriever, make_orchestrator
+
+
+def _ledger():
+    ledger = SourceLedger()
+    ledger.add("manual.pdf", 3, "Warranty: the Zephyr X2 comes with a warranty period of 7 years.", "c3")
+    ledger.add("manual.pdf", 1, "The Zephyr X2 is a compact air purifier.", "c1")
+    assert ledger.add("manual.pdf", 3, "same chunk again", "c3").marker == 1  # one chunk, one number
+    return ledger
+
+
+def test_valid_marker_kept_and_hallucinated_one_dropped():
+    check = verify_citations("The warranty is 7 years [1]. It was made in 1999 [7].", _ledger())
+    assert check.text == "The warranty is 7 years [1]. It was made in 1999."
+    assert [(s.marker, s.doc, s.page, s.chunk_id) for s in check.sources] == [(1, "manual.pdf", 3, "c3")]
+    assert check.dropped_markers == (7,) and check.inferred_markers == ()
+
+
+def test_grouped_markers_are_filtered_one_by_one():
+    check = verify_citations("Both facts [1, 2, 9] and [2][4].", _ledger())
+    assert check.text == "Both facts [1, 2] and [2]."
+    assert [s.marker for s in check.sources] == [1, 2] and check.dropped_markers == (4, 9)
+
+
+def test_uncited_answer_is_attributed_only_when_it_reuses_a_passage():
+    check = verify_citations("The Zephyr X2 comes with a warranty period of 7 years. Enjoy it!", _ledger())
+    assert check.text == "The Zephyr X2 comes with a warranty period of 7 years [1]. Enjoy it!"
+    assert check.inferred_markers == (1,) and check.sources[0].page == 3
+    unrelated = verify_citations("Paris is the capital of France.", _ledger())
+    assert unrelated.sources == () and unrelated.text == "Paris is the capital of France."
+
+
+def test_turn_with_documents_cites_the_right_page_and_stores_sources(tmp_path):
+    retriever = FakeRetriever(MANUAL)
+    orch, engine = make_orchestrator(tmp_path, "The warranty period is 7 years [3]. See also [5].",
+                                     retriever=retriever)
+    events = list(orch.run_turn(None, "What is the warranty period of the Zephyr X2?"))
+    assert retriever.searches == ["What is the warranty period of the Zephyr X2?"]  # auto-retrieval
+    context = engine.prompts[0][-2]
+    assert context["role"] == "system" and "[1] zephyr_manual.pdf p. 3: Warranty" in context["content"]
+    sources = next(e for e in events if isinstance(e, Sources))
+    done = events[-1]
+    # the model cited [3] -> whatever passage got number 3 this turn, and [5] was never shown
+    assert sources.dropped_markers == (5,)
+    assert "[5]" not in done.text and "[3]" in done.text
+    stored = orch.store.get_message(done.message_id)
+    assert stored.meta["dropped_markers"] == [5]
+    assert [s["marker"] for s in stored.meta["sources"]] == [3]
+    assert "[5]" not in stored.content
+    started = [e for e in events if isinstance(e, ToolCallStarted)]
+    assert started[0].name == "search_documents"  # auto-retrieval is shown as a step
+
+
+def test_answer_citing_page_three_passage(tmp_path):
+    retriever = FakeRetriever(MANUAL)
+    orch, engine = make_orchestrator(tmp_path, "It is 7 years [1].", retriever=retriever)
+    events = list(orch.run_turn(None, "warranty period Zephyr X2"))
+    sources = next(e for e in events if isinstance(e, Sources)).sources
+    assert [(s.marker, s.doc, s.page) for s in sources] == [(1, "zephyr_manual.pdf", 3)]
+    assert "warranty period of 7 years" in sources[0].snippet
+
+
+def test_marker_from_an_earlier_turn_is_not_accepted(tmp_path):
+    retriever = FakeRetriever(MANUAL)
+    orch, _ = make_orchestrator(tmp_path, "7 years [1].", "Nothing about that [1].", retriever=retriever)
+    cid = list(orch.run_turn(None, "warranty period"))[-1].conversation_id
+    events = list(orch.run_turn(cid, "xyzzy plugh"))  # retrieves nothing this turn
+    done = events[-1]
+    assert done.text == "Nothing about that."
+    assert not any(isinstance(e, Sources) and e.sources for e in events)
+
+
+def test_search_tool_registers_passages_for_citation(tmp_path):
+    retriever = FakeRetriever(MANUAL)
+    call = '<tool_call>{"name": "search_documents", "arguments": {"query": "HEPA filter"}}</tool_call>'
+    orch, engine = make_orchestrator(tmp_path, call, "Every 6 months [1].", retriever=retriever)
+    orch.options = type(orch.options)(auto_retrieve=False)
+    events = list(orch.run_turn(None, "How often do I change the filter?"))
+    finished = next(e for e in events if isinstance(e, ToolCallFinished))
+    assert finished.ok and "zephyr_manual.pdf p. 2" in finished.summary
+    assert "[1] zephyr_manual.pdf p. 2: Replace the HEPA filter" in engine.prompts[1][-1]["content"]
+    sources = next(e for e in events if isinstance(e, Sources)).sources
+    assert [(s.page, s.marker) for s in sources] == [(2, 1)]
+
+
+def test_whole_document_question_reads_pages_instead_of_top_k(tmp_path):
+    retriever = FakeRetriever(MANUAL)
+    orch, engine = make_orchestrator(tmp_path, "A purifier [1] with a filter [2] and a warranty [3].",
+                                     retriever=retriever)
+    events = list(orch.run_turn(None, "Summarise the whole file."))
+    assert retriever.reads == [("zephyr_manual.pdf", None)] and retriever.searches == []
+    context = engine.prompts[0][-2]["content"]
+    assert all(f"p. {n}:" in context for n in (1, 2, 3))
+    sources = next(e for e in events if isinstance(e, Sources)).sources
+    assert [s.page for s in sources] == [1, 2, 3]
+
+
+def test_read_document_tool_with_unknown_name_is_the_models_error(tmp_path):
+    retriever = FakeRetriever(MANUAL)
+    call = '<tool_call>{"name": "read_document", "arguments": {"document": "nope.pdf"}}</tool_call>'
+    orch, engine = make_orchestrator(tmp_path, call, "Sorry.", retriever=retriever)
+    orch.options = type(orch.options)(auto_retrieve=False)
+    events = list(orch.run_turn(None, "read nope.pdf"))
+    finished = next(e for e in events if isinstance(e, ToolCallFinished))
+    assert not finished.ok and "zephyr_manual.pdf" in engine.prompts[1][-1]["content"]
+    assert events[-1].text == "Sorry."
+
+
+def test_no_documents_means_no_retrieval_tools(tmp_path):
+    orch, engine = make_orchestrator(tmp_path, "Hi.", retriever=FakeRetriever({}))
+    events = list(orch.run_turn(None, "hello"))
+    assert engine.tools_seen == [None] and [type(e) for e in events][-1] is Done
+    assert not any(isinstance(e, Sources) for e in events) and isinstance(events[0], TextDelta)
+
+
+def test_code_indexing_is_not_a_citation():
+    check = verify_citations("Use `a[1]` or x[2] then\n```python\nb[3]\n```\nand fact [9].", _ledger())
+    assert check.text == "Use `a[1]` or x[2] then\n```python\nb[3]\n```\nand fact." and check.dropped_markers == (9,)

@@ -1,0 +1,82 @@
+"""Model routing with two scripted engines: simple turns small, long/tool-heavy turns large, fallback."""
+
+from assistant.engine.fake import ScriptedEngine
+from assistant.errors import EngineBusy, ModelError
+from assistant.events import Notice, ToolCallFinished
+from assistant.routing import LARGE, SMALL, Router, RoutingPolicy
+from tests.agent_fakes import MANUAL, AddTool, FakeRetriever, make_orchestrator
+
+
+class Large(ScriptedEngine):
+    name = "large"
+
+
+def _orch(tmp_path, small_script, large, **kw):
+    small = ScriptedEngine(small_script)
+    orch, _ = make_orchestrator(tmp_path, engine=small, **kw)
+    orch.router = Router(small, large, RoutingPolicy(long_prompt_tokens=300))
+    return orch, small
+
+
+def test_policy():
+    router = Router(ScriptedEngine(), Large(), RoutingPolicy(long_prompt_tokens=100))
+    assert router.choose(prompt_tokens=10, has_documents=False, after_tool_step=False).role == SMALL
+    assert router.choose(prompt_tokens=100, has_documents=False, after_tool_step=False).role == LARGE
+    assert router.choose(prompt_tokens=10, has_documents=True, after_tool_step=False).role == LARGE
+    assert router.choose(prompt_tokens=10, has_documents=False, after_tool_step=True).role == LARGE
+    alone = Router(ScriptedEngine())
+    assert alone.choose(prompt_tokens=10**6, has_documents=True, after_tool_step=True).role == SMALL
+
+
+def test_simple_turn_small_long_turn_large(tmp_path):
+    large = Large(["long answer"])
+    orch, small = _orch(tmp_path, ["short answer"], large)
+    assert list(orch.run_turn(None, "hi"))[-1].text == "short answer"
+    done = list(orch.run_turn(None, "z" * 2000))[-1]
+    assert done.text == "long answer" and len(large.prompts) == 1 and len(small.prompts) == 1
+    stored = orch.store.get_message(done.message_id)
+    assert (stored.meta["model"], stored.meta["route"]) == ("large", "large")
+
+
+def test_tool_heavy_turn_goes_large_after_the_first_step(tmp_path):
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    large = Large(["It is 3."])
+    orch, small = _orch(tmp_path, [call], large, tools=[AddTool()])
+    events = list(orch.run_turn(None, "1+2"))
+    assert any(isinstance(e, ToolCallFinished) for e in events)
+    assert events[-1].text == "It is 3." and len(small.prompts) == 1 and len(large.prompts) == 1
+    assert large.prompts[0][-1]["role"] == "tool" and large.tools_seen[0] == small.tools_seen[0]
+
+
+def test_documents_go_large(tmp_path):
+    large = Large(["Seven years [1]."])
+    orch, small = _orch(tmp_path, [], large, retriever=FakeRetriever(MANUAL))
+    assert list(orch.run_turn(None, "warranty period?"))[-1].text == "Seven years [1]."
+    assert small.prompts == [] and len(large.prompts) == 1
+
+
+def test_busy_large_model_falls_back_to_small_with_a_notice(tmp_path):
+    class Busy(Large):
+        def generate(self, *a, **kw):
+            raise EngineBusy("queue full")
+            yield  # pragma: no cover
+
+    orch, small = _orch(tmp_path, ["small answer"], Busy())
+    events = list(orch.run_turn(None, "z" * 2000))
+    notice = next(e for e in events if isinstance(e, Notice))
+    assert "large model is not available" in notice.message and "queue full" in notice.message
+    assert events[-1].text == "small answer" and events[-1].finish_reason == "stop"
+
+
+def test_unloadable_large_model_is_not_retried_at_once(tmp_path):
+    attempts = []
+
+    def factory():
+        attempts.append(1)
+        raise ModelError("qwen2.5-coder-1.5b is not prepared: run `assistant models prepare large`")
+
+    orch, small = _orch(tmp_path, ["one", "two"], factory)
+    for _ in range(2):
+        events = list(orch.run_turn(None, "z" * 2000))
+        assert any(isinstance(e, Notice) and "models prepare large" in e.message for e in events)
+    assert attempts == [1] and [e.text for e in events[-1:]] == ["two"]
