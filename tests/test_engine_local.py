@@ -59,12 +59,12 @@ def engine(request, tiny_config):
     eng.close()
 
 
-@pytest.fixture(scope="module")
-def batched(tiny_config):
+@pytest.fixture(scope="module", params=["none", "int8"])
+def batched(request, tiny_config):
     from assistant.engine.loading import load_model
     from assistant.engine.local import LocalEngine
 
-    eng = LocalEngine(load_model(tiny_config), replace(tiny_config.engine, quantize="none", max_prefill_chunk=8))
+    eng = LocalEngine(load_model(tiny_config), replace(tiny_config.engine, quantize=request.param, max_prefill_chunk=8))
     yield eng
     eng.close()
 
@@ -164,7 +164,8 @@ def test_prefix_hit_output_equals_cold_output(tiny_config, batched):
 
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     long_prompt = [{"role": "system", "content": "shared context " * 40}, {"role": "user", "content": "Go."}]
-    cold_engine = LocalEngine(load_model(tiny_config), replace(tiny_config.engine, quantize="none", prefix_cache=False))
+    cold_engine = LocalEngine(load_model(tiny_config),
+                              replace(tiny_config.engine, quantize=batched.quantize or "none", prefix_cache=False))
     cold = _tokens(_run(cold_engine, params, long_prompt)[1])
     cold_engine.close()
     first = _run(batched, params, long_prompt)[1]

@@ -210,7 +210,7 @@ class LocalEngine(Engine):
         seqs: list[SeqBatch] = []
         for r, n in scheduled:
             start, ids = r.num_computed_tokens, r.all_ids
-            seqs.append(SeqBatch(len(tokens), n, start + n, self.kv.slots(r.block_table, start + n)))
+            seqs.append(SeqBatch(len(tokens), n, start + n, self.kv.slots(r.block_table, start + n), len(r.prompt_ids)))
             tokens.extend(ids[start:start + n])
             positions.extend(range(start, start + n))
         with torch.inference_mode():

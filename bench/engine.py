@@ -1,0 +1,248 @@
+"""Benchmark the local engine against HF generate() (and llama.cpp when installed), in one run.
+
+Figures (each a ratio measured in this run; absolute times swing 2-3x on a shared machine):
+  decode_tok_s                 batch-1 decode rate of LocalEngine (default quantization)
+  decode_vs_hf                 ... divided by HF generate() on the fp32 model       (goal >= 3)
+  decode_vs_llamacpp           ... divided by llama-cpp-python on the packaged GGUF (goal >= 1; null if absent)
+  batch8_vs_hf_sequential      8 staggered requests, aggregate tok/s vs the same 8 through generate()
+                               one after another                                    (goal >= 4)
+  itl_p95_under_prefill_ratio  p95 inter-token latency of a stream while a 512-token prompt prefills,
+                               over its batch-1 median                              (goal <= 2.5)
+  prefix_ttft_ratio            TTFT with a 512-token prefix cached / cold            (goal <= 0.10)
+  prefix_miss_overhead         time with prefix cache on at 0% hits / off, minus 1   (goal <= 0.02)
+  int8_top1_agreement          next-token top-1 agreement of int8 vs fp32 on fixed prompts (quality)
+
+  python bench/engine.py [--threads 2] [--quick] [--build-llamacpp]
+
+`--build-llamacpp` pip-installs llama-cpp-python from source first (about 30 min on 2 vCPU); it is
+never a product dependency. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from assistant.config import AssistantConfig  # noqa: E402
+from assistant.engine.base import SamplingParams  # noqa: E402
+from assistant.engine.loading import load_model, resolve_model_path  # noqa: E402
+from assistant.engine.local import LocalEngine  # noqa: E402
+
+QUESTIONS = [
+    "Explain how a hash map works.", "Write a Python function that reverses a linked list.",
+    "What is the difference between a process and a thread?", "Summarise the causes of the French Revolution.",
+    "How does TCP congestion control work?", "Write a SQL query that finds duplicate emails.",
+    "What is gradient descent?", "Describe the water cycle.",
+]
+
+
+def chat(q: str) -> list[dict]:
+    return [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": q}]
+
+
+def timed_stream(engine, prompt, params) -> tuple[float, list[float], int]:
+    """-> (ttft, inter-token gaps, tokens) for one request."""
+    start = time.perf_counter()
+    stamps = []
+    for delta in engine.generate(prompt, params):
+        if delta.token_ids:
+            stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return stamps[0] - start, gaps, len(stamps)
+
+
+def hf_generate(model, prompt_ids: list[int], new_tokens: int) -> float:
+    ids = torch.tensor([prompt_ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    assert out.shape[1] - ids.shape[1] == new_tokens
+    return time.perf_counter() - start
+
+
+def hf_decode_rate(model, prompt_ids: list[int], new_tokens: int) -> float:
+    one = hf_generate(model, prompt_ids, 1)
+    full = hf_generate(model, prompt_ids, new_tokens)
+    return (new_tokens - 1) / max(full - one, 1e-9)
+
+
+def llamacpp_decode_rate(gguf: Path, threads: int, new_tokens: int) -> float | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=2048, verbose=False)
+    prompt = chat(QUESTIONS[0])
+    llm.create_chat_completion(prompt, max_tokens=4)
+    stamps = []
+    for _ in llm.create_chat_completion(prompt, max_tokens=new_tokens, stream=True, temperature=0.0):
+        stamps.append(time.perf_counter())
+    return (len(stamps) - 2) / (stamps[-1] - stamps[1]) if len(stamps) > 3 else None
+
+
+def staggered(engine, prompts, params, gap_s: float) -> float:
+    """Aggregate tok/s of requests arriving gap_s apart."""
+    counts = [0] * len(prompts)
+
+    def run(i):
+        counts[i] = sum(len(d.token_ids) for d in engine.generate(prompts[i], params))
+
+    start = time.perf_counter()
+    threads = []
+    for i in range(len(prompts)):
+        t = threading.Thread(target=run, args=(i,))
+        t.start()
+        threads.append(t)
+        time.sleep(gap_s)
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def itl_under_prefill(engine, long_prompt, new_tokens: int) -> tuple[float, float]:
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    _, alone, _ = timed_stream(engine, chat(QUESTIONS[1]), params)
+    gaps: list[float] = []
+    started = threading.Event()
+
+    def victim():
+        stamps = []
+        for d in engine.generate(chat(QUESTIONS[2]), params):
+            stamps.append(time.perf_counter())
+            if len(stamps) == 4:
+                started.set()
+        gaps.extend(b - a for a, b in zip(stamps[4:], stamps[5:]))
+
+    t = threading.Thread(target=victim)
+    t.start()
+    started.wait()
+    timed_stream(engine, long_prompt, SamplingParams(max_tokens=2, ignore_eos=True))  # the long prefill
+    t.join()
+    return statistics.median(alone), sorted(gaps)[int(0.95 * (len(gaps) - 1))]
+
+
+def prefix_ttft(engine, words: int) -> tuple[float, float]:
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    stamp = str(time.time_ns())  # a prefix nobody has seen: cold
+    prefix = f"Reference {stamp}: " + " ".join(f"item{i} costs {i * 7 % 97} euros;" for i in range(words))
+    cold, _, _ = timed_stream(engine, [{"role": "system", "content": prefix}, {"role": "user", "content": "Q1?"}], params)
+    warm, _, _ = timed_stream(engine, [{"role": "system", "content": prefix}, {"role": "user", "content": "Q2?"}], params)
+    return cold, warm
+
+
+def int8_agreement(fp32: LocalEngine, int8: LocalEngine, num_tokens: int) -> tuple[float, int]:
+    """Teacher-forced next-token top-1 agreement on fp32's greedy continuations, and exact greedy matches."""
+    agree = total = exact = 0
+    params = SamplingParams(max_tokens=num_tokens)
+    for q in QUESTIONS:
+        ref = [t for d in fp32.generate(chat(q), params) for t in d.token_ids]
+        got = [t for d in int8.generate(chat(q), params) for t in d.token_ids]
+        exact += ref == got
+        prompt = fp32.encode(chat(q))
+        for i in range(len(ref)):  # int8's prediction given fp32's history
+            pred = next(iter(int8.generate(prompt + ref[:i], SamplingParams(max_tokens=1)))).token_ids[0]
+            agree += pred == ref[i]
+            total += 1
+    return agree / total, exact
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="fewer tokens and prompts")
+    parser.add_argument("--build-llamacpp", action="store_true", help="pip install llama-cpp-python first (~30 min)")
+    parser.add_argument("--data-dir", default=None)
+    args = parser.parse_args()
+    if args.build_llamacpp:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python"], check=True)
+    new_tokens = 32 if args.quick else 64
+    config = AssistantConfig.load(overrides={"engine.model": args.model, "engine.num_threads": args.threads,
+                                             "data_dir": args.data_dir})
+    loaded = load_model(config)
+    hf_model = loaded.model
+    engine = LocalEngine(load_model(config), config.engine)
+    print(f"model {args.model}, {args.threads} threads, quantization {engine.quantize or 'none'}, device {engine.device}")
+    p1 = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    timed_stream(engine, chat(QUESTIONS[0]), SamplingParams(max_tokens=4))  # warm-up
+    results: dict[str, object] = {"model": args.model, "threads": args.threads, "quantize": engine.quantize or "none"}
+
+    # 1. batch-1 decode, interleaved with HF generate() on the same prompt
+    ours, hf = [], []
+    for _ in range(2):
+        _, gaps, _ = timed_stream(engine, chat(QUESTIONS[0]), p1)
+        ours.append(len(gaps) / sum(gaps))
+        hf.append(hf_decode_rate(hf_model, engine.encode(chat(QUESTIONS[0])), new_tokens))
+    decode, hf_decode = statistics.median(ours), statistics.median(hf)
+    results.update(decode_tok_s=round(decode, 2), hf_decode_tok_s=round(hf_decode, 2),
+                   decode_vs_hf=round(decode / hf_decode, 3))
+    print(f"decode batch 1: {decode:.2f} tok/s vs HF generate() {hf_decode:.2f} tok/s -> {decode / hf_decode:.2f}x")
+    gguf = next(resolve_model_path(config).glob("*.gguf"), None)  # kept beside the prepared weights
+    llama = llamacpp_decode_rate(gguf, args.threads, new_tokens) if gguf else None
+    results["llamacpp_decode_tok_s"] = None if llama is None else round(llama, 2)
+    results["decode_vs_llamacpp"] = None if llama is None else round(decode / llama, 3)
+    print(f"llama.cpp: {'not installed (use --build-llamacpp)' if llama is None else f'{llama:.2f} tok/s -> {decode / llama:.2f}x'}")
+
+    # 2. eight staggered requests vs the same eight through generate() one after another
+    n8 = 16 if args.quick else 32
+    p8 = SamplingParams(max_tokens=n8, ignore_eos=True)
+    prompts = [chat(q) for q in QUESTIONS]
+    agg = staggered(engine, prompts, p8, gap_s=0.25)
+    seq_time = sum(hf_generate(hf_model, engine.encode(p), n8) for p in prompts)
+    seq = len(prompts) * n8 / seq_time
+    results.update(batch8_tok_s=round(agg, 2), hf_sequential_tok_s=round(seq, 2), batch8_vs_hf_sequential=round(agg / seq, 3))
+    print(f"8 staggered requests: {agg:.2f} tok/s vs sequential generate() {seq:.2f} tok/s -> {agg / seq:.2f}x")
+
+    # 3. inter-token latency of a running stream while a 512-token prompt is prefilled
+    long_prompt = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 50}]
+    base, p95 = itl_under_prefill(engine, long_prompt, new_tokens)
+    results.update(itl_batch1_ms=round(base * 1e3, 1), itl_p95_under_prefill_ms=round(p95 * 1e3, 1),
+                   itl_p95_under_prefill_ratio=round(p95 / base, 3))
+    print(f"ITL: batch-1 median {base * 1e3:.1f} ms, p95 during a 512-token prefill {p95 * 1e3:.1f} ms -> {p95 / base:.2f}x")
+
+    # 4. prefix cache: TTFT with a ~512-token prefix cached vs cold; 0%-hit overhead vs cache off
+    cold, warm = prefix_ttft(engine, words=64)
+    results.update(prefix_cold_ttft_s=round(cold, 3), prefix_warm_ttft_s=round(warm, 3), prefix_ttft_ratio=round(warm / cold, 4))
+    print(f"prefix TTFT: cold {cold:.3f} s, cached {warm:.3f} s -> {warm / cold:.3f}")
+    off = LocalEngine(load_model(config), replace(config.engine, prefix_cache=False))
+    on_t, off_t = [], []
+    for rnd in range(2):
+        for eng, sink in ((engine, on_t), (off, off_t)):
+            unique = [chat(f"[{time.time_ns()}-{rnd}] {q}") for q in QUESTIONS[:4]]  # never seen: 0% hits
+            start = time.perf_counter()
+            for p in unique:
+                for _ in eng.generate(p, SamplingParams(max_tokens=8, ignore_eos=True)):
+                    pass
+            sink.append(time.perf_counter() - start)
+    overhead = min(on_t) / min(off_t) - 1
+    results["prefix_miss_overhead"] = round(overhead, 4)
+    print(f"prefix cache at 0% hits: {min(on_t):.3f} s vs off {min(off_t):.3f} s -> {overhead * 100:+.1f}%")
+    off.close()
+
+    # 5. int8 quality vs fp32
+    if engine.quantize == "int8":
+        fp32 = LocalEngine(load_model(config), replace(config.engine, quantize="none"))
+        agreement, exact = int8_agreement(fp32, engine, 12 if args.quick else 24)
+        fp32.close()
+        results.update(int8_top1_agreement=round(agreement, 4), int8_greedy_exact=f"{exact}/{len(QUESTIONS)}")
+        print(f"int8 vs fp32: top-1 agreement {agreement:.3f}, identical greedy answers {exact}/{len(QUESTIONS)}")
+    results["engine_stats"] = engine.stats()
+    engine.close()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
