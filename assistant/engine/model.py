@@ -213,12 +213,17 @@ class Transformer:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q (n, H, hd) are the last n positions of a context whose k, v are (ctx, KVH, hd) -> (n, H, hd)."""
-    n, ctx = q.size(0), k.size(0)
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, len, hd)
+    """q (n, H, hd) are the last n positions of a context whose k, v are (ctx, KVH, hd) -> (n, H, hd).
+
+    Decode (n == 1) uses grouped matmuls directly: on CPU, SDPA with GQA falls back to its math path
+    and copies K/V per query group (measured 5x slower for one query token).
+    """
+    n, ctx, heads, kv_heads = q.size(0), k.size(0), q.size(1), k.size(1)
     if n == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
-    else:  # causal, aligned bottom-right: query j sees keys 0 .. ctx - n + j
-        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+        qg = q.view(kv_heads, heads // kv_heads, q.size(-1))  # (KVH, G, hd)
+        scores = torch.matmul(qg, k.permute(1, 2, 0)) * (q.size(-1) ** -0.5)  # (KVH, G, ctx)
+        return torch.matmul(scores.softmax(-1), v.transpose(0, 1)).view(1, heads, -1)  # (1, H, hd)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, len, hd)
+    # causal, aligned bottom-right: query j sees keys 0 .. ctx - n + j
+    mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True).transpose(0, 1)
