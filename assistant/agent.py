@@ -149,7 +149,9 @@ def parse_call(raw: str, tool_names: set[str]) -> ToolCall | MalformedCall:
 def loads_lenient(raw: str) -> tuple[Any, str]:
     """json.loads with the repairs small models need; returns (object or None, error message)."""
     text = raw.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
-    candidates = [text, re.sub(r'"\s*\+\s*"', "", text)]  # "a" + "b" -> "ab"
+    # "line 1"\n + "line 2" (one string per source line, joined with +) -> "line 1\nline 2"
+    joined = re.sub(r'"\s*\+\s*"', "", re.sub(r'"[ \t]*(?:\r?\n[ \t]*\+|\+[ \t]*\r?\n)\s*"', r"\\n", text))
+    candidates = [text, joined]
     first_error = ""
     for candidate in candidates:
         for attempt in (candidate, candidate + "}", candidate + "}}"):

@@ -24,6 +24,7 @@ Design note — the turn loop:
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -40,10 +41,14 @@ from assistant.events import (Done, Error, Notice, Sources, TextDelta, ToolCallF
                               TurnEvent, Usage)
 from assistant.routing import Router
 from assistant.store import Store, StoredMessage
-from tools.base import Tool, ToolContext
+from tools.base import Tool, ToolContext, ToolResult
 from tools.registry import ToolRegistry
 
 FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
+FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in plain text, using the tool results "
+                "above. Do not write any tool call."}
+REPEATED_CALL = ("You already made exactly this call in this turn; its result is above. Change the arguments "
+                 "(fix the error it showed) or answer the question.")
 WHOLE_DOCUMENT = re.compile(r"\b(summari[sz]e|summary|whole|entire|how many|compare|comparison|all the|overview)\b", re.I)
 
 
@@ -160,11 +165,13 @@ class Orchestrator:
         context = yield from self._auto_retrieve(user.content, by_name, turn.ledger)
         steps: list[Message] = []
         repairs_left, offer_tools = self.options.max_repairs, bool(tools)
+        seen_calls: set[str] = set()
         for step in range(self.options.max_steps + 1):
             offered = tools if offer_tools and step < self.options.max_steps else []
+            wrap_up = [FINAL_ANSWER] if steps and not offered else []  # tools withdrawn: ask for the answer
             plan = fit_prompt(
                 PromptParts({"role": "system", "content": self.config.system_prompt}, user.as_chat(), chat, memory,
-                            context, steps, [t.spec() for t in offered]),
+                            context, steps + wrap_up, [t.spec() for t in offered]),
                 count_tokens=self.engine.count_tokens, context_window=self.engine.context_window,
                 reserve=params.max_tokens, summarize=self.summarize if self.options.summarize_overflow else None)
             if plan.num_summarised:  # later steps of this turn start from the new memory
@@ -201,7 +208,12 @@ class Orchestrator:
                 steps.append(call_message(reply.text, reply.calls))
                 for call in reply.calls:
                     yield ToolCallStarted(call.id, call.name, call.arguments)
-                    result = by_name[call.name](call.arguments, ctx)  # ToolUnavailable (ours) propagates
+                    key = json.dumps([call.name, call.arguments], sort_keys=True)
+                    if key in seen_calls:  # small models loop on a failing call: say so instead of rerunning
+                        result = ToolResult(REPEATED_CALL, ok=False, summary="same call as before, not run again")
+                    else:
+                        seen_calls.add(key)
+                        result = by_name[call.name](call.arguments, ctx)  # ToolUnavailable (ours) propagates
                     yield ToolCallFinished(call.id, call.name, result.ok, result.short(), result.artifacts)
                     steps.append(result_message(call.name, result.text[: self.options.max_observation_chars], call.id))
                     turn.steps.append({"name": call.name, "arguments": call.arguments, "ok": result.ok,

@@ -137,7 +137,8 @@ def test_parse_reply_formats():
 def test_lenient_json_repairs():
     assert loads_lenient('{"name": "x", "arguments": {"code": "a"}}}')[0]["name"] == "x"  # extra brace
     assert loads_lenient('{"name": "x", "arguments": {"code": "a"}')[0]["arguments"] == {"code": "a"}  # missing
-    assert loads_lenient('{"code": "def f():"\n + "  return 1"}')[0] == {"code": "def f():  return 1"}
+    assert loads_lenient('{"code": "def f():"\n + "  return 1"}')[0] == {"code": "def f():\n  return 1"}
+    assert loads_lenient('{"code": "a" + "b"}')[0] == {"code": "ab"}
     obj, error = loads_lenient("{name: x}")
     assert obj is None and "line 1" in error
 
@@ -202,3 +203,27 @@ def test_registry_rejects_non_tools_and_duplicates():
         registry.disable("c", "missing")
     result = registry.get("add")({"a": 1, "b": 2}, ToolContext("c"))
     assert result.ok and result.text == "3" and json.loads(result.text) == 3
+
+
+def test_repeated_call_is_not_rerun_and_the_last_call_asks_for_the_answer(tmp_path):
+    add = AddTool()
+    orch, engine = make_orchestrator(tmp_path, CALL, CALL, "5.", tools=[add], options=AgentOptions(max_steps=2))
+    events = list(orch.run_turn(None, "2+3"))
+    finished = [e for e in events if isinstance(e, ToolCallFinished)]
+    assert [f.ok for f in finished] == [True, False] and add.calls == [(2, 3)]
+    assert "already made exactly this call" in engine.prompts[2][-2]["content"]
+    assert engine.prompts[2][-1]["role"] == "system" and "plain text" in engine.prompts[2][-1]["content"]
+    assert events[-1].text == "5."
+
+
+def test_python_tool_hint_when_code_only_defines_a_function(tmp_path):
+    from sandbox.fake import FakeExecutor
+    from tools.code_interpreter import CodeInterpreterTool
+    from tools.python_tool import PythonTool
+
+    tool = PythonTool(CodeInterpreterTool(executor=FakeExecutor(), artifacts_dir=tmp_path))
+    ctx = ToolContext("c1")
+    defined = tool({"code": "def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)"}, ctx)
+    assert defined.ok and "print(fib(...))" in defined.text
+    printed = tool({"code": "print(fib(20))"}, ctx)  # state persists within the conversation
+    assert printed.ok and printed.summary == "6765" and "Nothing was printed" not in printed.text

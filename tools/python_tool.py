@@ -7,11 +7,13 @@ function but never print its value (the run then produced nothing to read).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tools.base import Tool, ToolContext, ToolResult
 
-NO_OUTPUT_HINT = "Nothing was printed. Call the tool again with code that prints the value you need, e.g. print(f(20))."
+NO_OUTPUT_HINT = "Nothing was printed. Call the tool again with code that prints the value you need."
+DEFINED_ONLY_HINT = "Nothing was printed: the code only defined {name}(). Call the tool again with print({name}(...)), giving the argument the question asks for."
 
 
 class PythonTool(Tool):
@@ -57,7 +59,8 @@ class PythonTool(Tool):
         output = getattr(result, "output", None)
         printed = bool(getattr(output, "stdout", "").strip()) if output is not None else "(no output)" not in text
         if ok and not printed and not getattr(result, "artifacts", ()):
-            text = f"{text}\n{NO_OUTPUT_HINT}"
+            defined = re.findall(r"^def ([A-Za-z_]\w*)\(", code, re.M)
+            text = f"{text}\n{DEFINED_ONLY_HINT.format(name=defined[-1]) if defined else NO_OUTPUT_HINT}"
         artifacts = tuple(str(a.id) for a in getattr(result, "artifacts", ()))
         first = next((line for line in getattr(output, "stdout", "").splitlines() if line.strip()), "")
         summary = (first or text.splitlines()[0]) if ok else text.splitlines()[0]

@@ -6,6 +6,11 @@ endpoints (for gradio_client and scripts):
   /chat   (message, history) -> (cleared textbox, history)   streaming, used by the web page
   /ask    (message) -> answer text                            streaming, same conversation state
   /new_chat () -> ()                                          start a new conversation
+  /conversation () -> conversation id                         the session's current conversation ("" if none)
+  /resume (conversation id) -> history                        continue a stored conversation (after a restart)
+  /regenerate () -> history                                   answer the last question again (new branch)
+Tool steps and the turn's token accounting show in the status line; verified sources are listed under
+the answer they belong to.
 """
 
 from __future__ import annotations
@@ -13,28 +18,64 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from assistant.config import AssistantConfig
-from assistant.events import Done, Error, Notice, TextDelta, Usage
+from assistant.errors import AssistantError
+from assistant.events import Done, Error, Notice, Sources, TextDelta, ToolCallFinished, ToolCallStarted, Usage
 
 TITLE = "Offline Assistant"
 
 
-def _stream_answer(orchestrator: Any, message: str, conversation_id: str | None) -> Iterator[tuple[str, str | None, str]]:
+def _stream_answer(orchestrator: Any, message: str, conversation_id: str | None, *,
+                   events: Any = None) -> Iterator[tuple[str, str | None, str]]:
     """Yield (answer so far, conversation id, status line) while the turn runs."""
-    answer, status = "", ""
-    for event in orchestrator.run_turn(conversation_id, message):
+    answer, status, sources = "", "", ""
+    stream = events if events is not None else orchestrator.run_turn(conversation_id, message)
+    for event in stream:
         if isinstance(event, TextDelta):
             answer += event.text
         elif isinstance(event, (Error, Notice)):
             status = event.message
             if isinstance(event, Error):
                 answer += f"\n\n**Error:** {event.message}"
+        elif isinstance(event, ToolCallStarted):
+            status = f"Running {event.name}..."
+        elif isinstance(event, ToolCallFinished):
+            status = f"{event.name}: {'ok' if event.ok else 'failed'}, {event.summary}"
+        elif isinstance(event, Sources):
+            sources = format_sources(event)
         elif isinstance(event, Usage):
             status = f"{event.prompt_tokens} prompt + {event.completion_tokens} answer tokens of {event.context_window}"
+            if event.num_steps > 1:
+                status += f" in {event.num_steps} steps"
             if event.dropped_messages:
                 status += f" ({event.dropped_messages} old messages left out)"
         elif isinstance(event, Done):
             conversation_id = event.conversation_id
+            answer = (event.text if event.finish_reason != "error" else answer) + sources  # verified markers only
         yield answer, conversation_id, status
+
+
+def format_sources(event: Sources) -> str:
+    if not event.sources:
+        return ""
+    lines = [f"- [{s.marker}] {s.doc}" + (f", p. {s.page}" if s.page is not None else "") for s in event.sources]
+    return "\n\n**Sources**\n" + "\n".join(lines)
+
+
+def render_history(store: Any, conversation_id: str | None) -> list[dict]:
+    """The active branch of a stored conversation as Chatbot messages (sources under each answer)."""
+    if not conversation_id:
+        return []
+    out = []
+    for m in store.history(conversation_id):
+        if m.role not in ("user", "assistant"):
+            continue
+        content = m.content
+        cited = m.meta.get("sources", []) if m.meta else []
+        if cited:
+            content += "\n\n**Sources**\n" + "\n".join(
+                f"- [{c['marker']}] {c['doc']}" + (f", p. {c['page']}" if c.get("page") is not None else "") for c in cited)
+        out.append({"role": m.role, "content": content})
+    return out
 
 
 def build_app(orchestrator: Any) -> Any:
@@ -47,6 +88,7 @@ def build_app(orchestrator: Any) -> Any:
         with gr.Row():
             box = gr.Textbox(placeholder="Ask anything, then press Enter", show_label=False, scale=8, autofocus=True)
             send = gr.Button("Send", variant="primary", scale=1)
+            again = gr.Button("Regenerate", scale=1)
             new = gr.Button("New chat", scale=1)
         status = gr.Markdown("")
 
@@ -69,32 +111,82 @@ def build_app(orchestrator: Any) -> Any:
         def new_chat():
             return [], None, ""
 
+        def regenerate(cid: str | None):
+            if not cid:
+                yield [], cid, "Nothing to regenerate yet."
+                return
+            history = render_history(orchestrator.store, cid)[:-1] + [{"role": "assistant", "content": ""}]
+            for answer, cid, line in _stream_answer(orchestrator, "", cid, events=orchestrator.regenerate(cid)):
+                history[-1] = {"role": "assistant", "content": answer}
+                yield history, cid, line
+
+        def resume(cid: str):
+            cid = (cid or "").strip()
+            try:
+                orchestrator.store.get_conversation(cid)
+            except AssistantError as e:
+                raise gr.Error(str(e)) from e
+            return render_history(orchestrator.store, cid), cid
+
+        def current(cid: str | None):
+            return cid or ""
+
+        def past_conversations():
+            return gr.update(choices=[(f"{c.title or c.id}", c.id) for c in orchestrator.store.list_conversations()[:50]])
+
         outputs = [box, chatbot, conversation, status]
         box.submit(chat, [box, chatbot, conversation], outputs, api_name="chat")
         send.click(chat, [box, chatbot, conversation], outputs, api_name=False)
         new.click(new_chat, None, [chatbot, conversation, status], api_name="new_chat")
+        again.click(regenerate, [conversation], [chatbot, conversation, status], api_name="regenerate")
+        with gr.Accordion("Past conversations", open=False):
+            with gr.Row():
+                past = gr.Dropdown(choices=[], label="Conversation", scale=6)
+                refresh = gr.Button("Refresh", scale=1)
+                open_button = gr.Button("Open", scale=1)
+        refresh.click(past_conversations, None, past, api_name=False)
+        open_button.click(resume, [past], [chatbot, conversation], api_name=False)
+        app.load(past_conversations, None, past, api_name=False)
         api_in = gr.Textbox(visible=False)
         api_out = gr.Textbox(visible=False)
         api_button = gr.Button(visible=False)
         api_button.click(ask, [api_in, conversation], [api_out, conversation], api_name="ask")
+        api_cid = gr.Textbox(visible=False)
+        resume_button = gr.Button(visible=False)
+        resume_button.click(resume, [api_cid], [chatbot, conversation], api_name="resume")
+        current_button = gr.Button(visible=False)
+        current_button.click(current, [conversation], [api_cid], api_name="conversation")
     return app
 
 
+def create_server_app(config: AssistantConfig, orchestrator: Any) -> Any:
+    """One ASGI app: the OpenAI-compatible API under /v1 and the web chat at /."""
+    import gradio as gr
+    from fastapi import FastAPI
+
+    from assistant.api import create_api
+
+    app = FastAPI(title=TITLE)
+    app.include_router(create_api(orchestrator.engine, model_name=config.engine.model, api_keys=config.api_keys))
+    blocks = build_app(orchestrator)
+    blocks.queue(default_concurrency_limit=4)
+    return gr.mount_gradio_app(app, blocks, path="/", footer_links=["api"], ssr_mode=False)
+
+
 def serve(config: AssistantConfig, *, orchestrator: Any = None) -> None:
-    """Load the model, then serve until Ctrl-C."""
+    """Load the model, then serve the web chat and the /v1 API until Ctrl-C."""
+    import uvicorn
+
     if orchestrator is None:
         from assistant.orchestrator import Orchestrator
 
         print(f"Loading model {config.engine.model}...", flush=True)
         orchestrator = Orchestrator.from_config(config)
-    app = build_app(orchestrator)
-    app.queue(default_concurrency_limit=4)
-    print(f"Web chat on http://{config.server.host}:{config.server.port}  (Ctrl-C to stop)", flush=True)
+    app = create_server_app(config, orchestrator)
+    base = f"http://{config.server.host}:{config.server.port}"
+    print(f"Web chat on {base}  ·  OpenAI-compatible API on {base}/v1  (Ctrl-C to stop)", flush=True)
     try:
-        app.launch(server_name=config.server.host, server_port=config.server.port, share=False,
-                   show_error=True, quiet=True, footer_links=["api"], ssr_mode=False)
-    except KeyboardInterrupt:
-        pass
+        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning")
     finally:
-        app.close()
+        orchestrator.engine.close()
         print("Stopped.", flush=True)
