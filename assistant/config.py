@@ -48,6 +48,7 @@ class EngineConfig:
     max_new_tokens: int = 512  # default answer length limit when a request does not give one
     remote_url: str = ""  # an OpenAI-compatible server (vLLM, TGI, ...) instead of the in-process model
     remote_api_key: str = ""  # bearer token for remote_url, if the server wants one
+    remote_model: str = ""  # model name served at remote_url; "" = the first one the server lists
     quantize: str = "auto"  # weights: "auto" (int8 on CPU, none on CUDA), "none", "int8" (weight-only, per channel)
     kv_cache_mb: int = 1024  # memory for the paged KV cache; bounds concurrent context tokens
     block_size: int = 16  # tokens per KV block (prefix cache granularity)
@@ -62,6 +63,7 @@ class EngineConfig:
 class ServerConfig:
     host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 exposes the chat to the network
     port: int = 7860  # web chat (and /v1 API) port
+    api_keys: str = ""  # comma-separated keys for the /v1 API; "" = no key needed (bind to 127.0.0.1 then!)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class RetrievalConfig:
     chunk_overlap: int = 30  # tokens repeated between neighbouring chunks of a page
     candidates: int = 50  # chunks each of the dense and the sparse search hand to RRF fusion
     embed_batch_size: int = 32  # chunks embedded (and upserted) per batch during ingestion
-    embed_threads: int = 0  # torch threads for the embedder; 0 = auto (1 on a 2-vCPU machine)
+    embed_threads: int = 0  # torch threads for `assistant ingest`/`eval`; 0 = auto (1 on 2 vCPUs); `serve` keeps the engine's
     search_threads: int = 1  # Qdrant Edge search threads (one is fastest for single small queries)
     ocr_languages: str = "eng"  # Tesseract languages, e.g. "eng+deu" (apt-get install tesseract-ocr-deu)
 
@@ -115,6 +117,10 @@ class AssistantConfig:
     @property
     def resolved_models_dir(self) -> Path:
         return Path(self.models_dir) if self.models_dir is not None else Path(self.data_dir) / "models"
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.server.api_keys.split(",") if k.strip())
 
     @property
     def store_url(self) -> str:

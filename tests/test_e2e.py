@@ -105,6 +105,13 @@ def test_web_chat_with_gradio_client(models_dir, tmp_path):
         # the web page's own endpoint renders the same conversation store
         _, history, _ = client.predict("What is 2+2?", [], api_name="/chat")
         assert history[-1]["role"] == "assistant"
+        # the same server speaks the OpenAI protocol on /v1: the scale-out RemoteEngine can use it
+        from assistant.engine.base import SamplingParams
+        from assistant.engine.remote import RemoteEngine
+
+        remote = RemoteEngine(f"http://127.0.0.1:{port}")
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        assert "Paris" in "".join(d.text for d in remote.generate(question, SamplingParams(max_tokens=32)))
     finally:
         _stop(proc)
     assert proc.returncode is not None

@@ -186,7 +186,8 @@ def serve(config: AssistantConfig, *, orchestrator: Any = None) -> None:
     base = f"http://{config.server.host}:{config.server.port}"
     print(f"Web chat on {base}  ·  OpenAI-compatible API on {base}/v1  (Ctrl-C to stop)", flush=True)
     try:
-        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning")
+        uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning",
+                    timeout_graceful_shutdown=3)  # open streams (browser tabs) must not block Ctrl-C
     finally:
         orchestrator.engine.close()
         print("Stopped.", flush=True)

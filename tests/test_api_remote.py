@@ -1,0 +1,98 @@
+"""The /v1 API and RemoteEngine against each other on loopback, with a scripted engine behind the API."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from assistant.engine.base import SamplingParams
+from assistant.engine.fake import ScriptedEngine
+from assistant.engine.remote import RemoteEngine
+from assistant.errors import EngineError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server():
+    import uvicorn
+    from fastapi import FastAPI
+
+    from assistant.api import create_api
+
+    engine = ScriptedEngine()
+    app = FastAPI()
+    app.include_router(create_api(engine, model_name="test-model", api_keys=("sekret",)))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield engine, f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_remote_engine_streams_from_the_api(server):
+    engine, url = server
+    engine.add(["Hel", "lo ", "there"])
+    remote = RemoteEngine(url, api_key="sekret")
+    deltas = list(remote.generate(MESSAGES, SamplingParams(max_tokens=50)))
+    assert "".join(d.text for d in deltas) == "Hello there"
+    assert [d.text for d in deltas if d.text] == ["Hel", "lo ", "there"]  # streamed, not buffered
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].num_generated_tokens == 3
+    assert remote.model == "test-model"  # discovered through /v1/models
+    assert engine.prompts[-1] == MESSAGES
+
+
+def test_stop_and_max_tokens_are_forwarded(server):
+    engine, url = server
+    engine.add(["a", "b", "STOP", "c"], ["1", "2", "3", "4"])
+    remote = RemoteEngine(url, api_key="sekret", model="test-model")
+    assert "".join(d.text for d in remote.generate(MESSAGES, SamplingParams(stop=("STOP",)))) == "ab"
+    last = list(remote.generate(MESSAGES, SamplingParams(max_tokens=2)))[-1]
+    assert last.finish_reason == "length"
+
+
+def test_non_streaming_and_auth(server):
+    engine, url = server
+    engine.add("Paris.")
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "x", "messages": MESSAGES},
+                   headers={"Authorization": "Bearer sekret"})
+    body = r.json()
+    assert r.status_code == 200 and body["choices"][0]["message"]["content"] == "Paris."
+    assert body["usage"]["completion_tokens"] == 2  # "Pari", "s."
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, headers={"Authorization": "Bearer sekret"})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+
+
+def test_structured_tool_calls_become_native_text(server):
+    remote = RemoteEngine(server[1], api_key="sekret", model="m")
+    lines = [
+        'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"python","arguments":"{\\"co"}}]}}]}',
+        'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"de\\": \\"1+1\\"}"}}]},'
+        '"finish_reason":"tool_calls"}]}',
+        "data: [DONE]",
+    ]
+    last = list(remote._parse(iter(lines), None))[-1]
+    assert last.text == '<tool_call>\n{"name": "python", "arguments": {"code": "1+1"}}\n</tool_call>'
+
+
+def test_unreachable_server_says_how_to_fix():
+    remote = RemoteEngine(f"http://127.0.0.1:{_free_port()}", model="m")
+    with pytest.raises(EngineError, match="Cannot reach the LLM server.*engine.remote_url"):
+        list(remote.generate(MESSAGES, SamplingParams()))
