@@ -84,6 +84,7 @@ def cmd_ingest(args, config) -> int:
         print("Nothing to ingest: no supported files under the given paths.", file=sys.stderr)
         return 1
     started = time.perf_counter()
+    _claim_torch_threads(config)
     ingester = Ingester.from_config(config, args.collection)
     if ingester.recovered:
         print(f"Recovered {ingester.recovered} document(s) left half-indexed by an interrupted run.", file=sys.stderr)
@@ -110,8 +111,10 @@ def cmd_ingest(args, config) -> int:
                 bar.write(f"Warning {path}: {warning}", file=sys.stderr)
             bar.update(1)
         bar.close()
-        if ingester.maybe_optimize():
-            print("Optimized the index for search speed.", file=sys.stderr)
+        if counts["added"] + counts["updated"] and ingester.should_optimize():
+            print("Optimizing the index for search speed (a few minutes on a large collection; "
+                  "interrupting is safe)...", file=sys.stderr)
+            ingester.optimize()
     finally:
         bar.close()
         ingester.close()
@@ -162,6 +165,7 @@ def cmd_eval_retrieval(args, config) -> int:
 
     questions = read_qa_file(Path(args.file))
     k = max(5, args.k)
+    _claim_torch_threads(config)
     retriever = Retriever.from_config(config, args.collection)
     try:
         ranks = [first_relevant_rank(retriever.search(q["question"], k=k, mode=args.mode), q["doc"], q["pages"])
@@ -213,6 +217,14 @@ def retrieval_metrics(ranks: list[int | None]) -> dict:
         "mrr": round(sum(1.0 / r for r in ranks if r) / n, 4),
         "num_questions": n,
     }
+
+
+def _claim_torch_threads(config) -> None:
+    """In a CLI process the embedder is torch's only user: size its thread pool deliberately."""
+    if not config.retrieval.embedder.startswith("hash-"):
+        from ingest.embed import set_torch_threads
+
+        set_torch_threads(config.retrieval.embed_threads)
 
 
 def _open_index_for_listing(config, collection):

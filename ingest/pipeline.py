@@ -221,10 +221,13 @@ class Ingester:
                 for i, c in enumerate(batch)])
             progress("chunks", len(batch))
 
-    def maybe_optimize(self) -> bool:
-        """Build HNSW/sparse indexes once the collection is large enough for them to matter."""
-        if self.index.count({"kind": "chunk"}) < OPTIMIZE_MIN_POINTS:
-            return False
+    def should_optimize(self) -> bool:
+        """Large enough for HNSW/sparse indexes to matter (Edge builds them only when asked)."""
+        return self.index.count({"kind": "chunk"}) >= OPTIMIZE_MIN_POINTS
+
+    def optimize(self) -> bool:
+        """Build indexes; minutes on a large shard. Searches and upserts keep working meanwhile, so
+        a long-lived process can run this in a background thread."""
         return self.index.optimize()
 
     def close(self) -> None:

@@ -102,6 +102,16 @@ class Retriever:
         found = sorted(self.index.scroll(where), key=lambda p: p["page"])
         return [PageText(p["doc_id"], p["path"], p["page"], p["text"]) for p in found]
 
+    def ingester(self, *, chunk_tokens: int = 200, overlap_tokens: int = 30):
+        """An `Ingester` writing into this retriever's collection: a process that serves searches
+        (the UI) must ingest uploads through it, because an Edge shard has one owner process. It shares
+        this retriever's index: close the retriever, not the ingester."""
+        from ingest.chunk import Chunker
+        from ingest.pipeline import Ingester
+
+        chunker = Chunker(self.embedder.tokenize, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
+        return Ingester(self.index, self.embedder, chunker, sparse=self.sparse)
+
     def documents(self) -> list[dict]:
         """Ledger records of every committed document (path, file_name, doc_id, num_pages, …)."""
         return list_documents(self.index)

@@ -207,3 +207,54 @@ def test_failed_files_do_not_touch_the_index(tmp_path, ingester):
 def test_embedder_rows_are_unit_length():
     vectors = HashEmbedder().embed(["a b c", "", "pump"])
     assert vectors.shape == (3, 64) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0)
+
+
+KILLED_CHILD = r"""
+import sys, time
+from pathlib import Path
+from ingest.chunk import Chunker
+from ingest.embed import HashEmbedder
+from ingest.index import EdgeIndex
+from ingest.pipeline import Ingester
+
+class SlowEmbedder(HashEmbedder):
+    def embed(self, texts):
+        time.sleep(0.2)
+        return super().embed(texts)
+
+embedder = SlowEmbedder()
+index = EdgeIndex(Path(sys.argv[1]), embedder.dim)
+ingester = Ingester(index, embedder, Chunker(embedder.tokenize, chunk_tokens=64, overlap_tokens=8), batch_size=4)
+def progress(what, n):
+    if what == "chunks":
+        print("upserted", n, flush=True)
+ingester.ingest_file(sys.argv[2], progress)
+print("finished", flush=True)
+"""
+
+
+def test_kill_9_mid_file_then_rerun_completes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    doc = tmp_path / "long.txt"
+    doc.write_text("\n\n".join(f"Paragraph {i} talks about the KESTREL{i} valve and its pressure." for i in range(200)))
+    shard = tmp_path / "qdrant" / "test"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(shard), str(doc)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [child.stdout.readline() for _ in range(3)]  # three batches are in the index
+        assert all(line.startswith("upserted") for line in lines), (lines, child.stderr.read() if child.poll() else "")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    ing = open_ingester(tmp_path)  # the dead process's lock is gone; its WAL is replayed
+    assert ing.recovered == 1 and ing.index.count({}) == 0  # never committed: nothing of it is left
+    result = ing.ingest_file(doc)
+    assert result.status == "added"
+    hits = Retriever(ing.index, ing.embedder).search("KESTREL150 valve", k=3)
+    assert any("KESTREL150" in h.text for h in hits)
+    ing.close()
