@@ -219,8 +219,9 @@ def main() -> None:
     print(f"prefix TTFT: cold {cold:.3f} s, cached {warm:.3f} s -> {warm / cold:.3f}")
     off = LocalEngine(load_model(config), replace(config.engine, prefix_cache=False))
     on_t, off_t = [], []
-    for rnd in range(2):
-        for eng, sink in ((engine, on_t), (off, off_t)):
+    for rnd in range(3):
+        pair = ((engine, on_t), (off, off_t))
+        for eng, sink in (pair if rnd % 2 == 0 else pair[::-1]):  # alternate who goes first
             unique = [chat(f"[{time.time_ns()}-{rnd}] {q}") for q in QUESTIONS[:4]]  # never seen: 0% hits
             start = time.perf_counter()
             for p in unique:
