@@ -113,3 +113,22 @@ def test_eval_group_is_shared_with_a_sibling_command():
     existing.add_parser("answers")
     add_eval_command(eval_subparsers(other_sub, common), common)
     assert other.parse_args(["eval", "retrieval", "q.jsonl", "--k", "3"]).k == 3
+
+
+def test_bad_retrieval_settings_say_how_to_fix_them(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("ASSISTANT_RETRIEVAL_CHUNK_OVERLAP", "500")
+    code, out, err = run(capsys, "docs", "list", "--data-dir", str(tmp_path))
+    assert code == 2 and out == "" and "retrieval.chunk_overlap=500" in err and "below chunk_tokens" in err
+
+
+def test_a_shard_held_by_another_process_is_a_clear_error(corpus, capsys):
+    from ingest.index import EdgeIndex
+
+    data = corpus / "data"
+    holder = EdgeIndex(data / "qdrant" / "default", 64)  # e.g. `assistant serve` holding the collection
+    try:
+        code, out, err = run(capsys, "docs", "list", "--data-dir", str(data))
+    finally:
+        holder.close()
+    assert code == 2 and out == ""
+    assert "in use by another process" in err

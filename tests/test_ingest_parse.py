@@ -159,3 +159,19 @@ def test_ocr_reads_image_and_scanned_pdf_page(tmp_path):
     doc = parse_file(tmp_path / "scan.pdf")
     assert [p.ocr for p in doc.pages] == [False, True]
     assert "invoice" in doc.pages[1].text.lower() and doc.pages[1].number == 2
+
+
+def test_without_tesseract_scans_are_reported_with_the_install_command(tmp_path, monkeypatch):
+    import ingest.parse as parse
+
+    monkeypatch.setattr(parse, "tesseract_available", lambda: False)
+    image = text_image(tmp_path / "scan.png", "Quarterly invoice")
+    with pytest.raises(IngestError, match="apt-get install tesseract-ocr"):
+        parse_file(image)
+    mixed = pymupdf.open()
+    mixed.new_page().insert_text((72, 72), "A page with a real text layer about pumps.", fontsize=11)
+    mixed.new_page().insert_image(pymupdf.Rect(50, 50, 550, 217), filename=str(image))
+    mixed.save(tmp_path / "mixed.pdf")
+    doc = parse_file(tmp_path / "mixed.pdf")  # the text page is kept, the scan is a warning
+    assert [p.number for p in doc.pages] == [1]
+    assert len(doc.warnings) == 1 and doc.warnings[0].startswith("page 2:") and "tesseract" in doc.warnings[0]
