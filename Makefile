@@ -8,7 +8,7 @@ STAMP     := $(VENV)/.installed
 DATA_DIR  ?= ./data
 EXTRAS    := engine,ui,ingest,sandbox,postgres,test
 # Debian packages the product uses (installed only when running as root and missing).
-APT_PACKAGES :=
+APT_PACKAGES := tesseract-ocr tesseract-ocr-eng
 SHELL     := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 QUIET     := { grep -v '^WARNING: Location' || true; }
