@@ -172,7 +172,7 @@ class Orchestrator:
             plan = fit_prompt(
                 PromptParts({"role": "system", "content": self.config.system_prompt}, user.as_chat(), chat, memory,
                             context, steps + wrap_up, [t.spec() for t in offered]),
-                count_tokens=self.engine.count_tokens, context_window=self.engine.context_window,
+                count_tokens=self.engine.count_tokens, context_window=self.router.context_window,
                 reserve=params.max_tokens, summarize=self.summarize if self.options.summarize_overflow else None)
             if plan.num_summarised:  # later steps of this turn start from the new memory
                 memory = plan.memory
@@ -202,8 +202,13 @@ class Orchestrator:
             if rest:
                 turn.parts.append(rest)
                 yield TextDelta(rest)
-            if turn.finish == "cancelled" or not reply.wants_tools:
+            if turn.finish == "cancelled":
                 return
+            if not reply.wants_tools:
+                if turn.text.strip() or not steps or not offered:
+                    return
+                offer_tools = False  # tools were used but the reply is empty: ask once more for the answer
+                continue
             if reply.calls:
                 steps.append(call_message(reply.text, reply.calls))
                 for call in reply.calls:

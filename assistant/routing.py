@@ -82,6 +82,14 @@ class Router:
                 raise
             return self._large
 
+    @property
+    def context_window(self) -> int:
+        """The window every prompt must fit: the smallest of the engines that may get it (the large
+        engine counts once it is loaded; until then its window is unknown and the first long turn
+        that reaches it is checked by the engine itself)."""
+        windows = [self.small.context_window] + ([self._large.context_window] if self._large is not None else [])
+        return min(windows)
+
     def engine(self, route: Route) -> Engine:
         return self.large() if route.role == LARGE else self.small
 

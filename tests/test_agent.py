@@ -227,3 +227,9 @@ def test_python_tool_hint_when_code_only_defines_a_function(tmp_path):
     assert defined.ok and "print(fib(...))" in defined.text
     printed = tool({"code": "print(fib(20))"}, ctx)  # state persists within the conversation
     assert printed.ok and printed.summary == "6765" and "Nothing was printed" not in printed.text
+
+
+def test_empty_reply_after_a_tool_step_asks_once_more_without_tools(tmp_path):
+    orch, engine = make_orchestrator(tmp_path, CALL, "", "The sum is 5.", tools=[AddTool()])
+    events = list(orch.run_turn(None, "2+3"))
+    assert events[-1].text == "The sum is 5." and engine.tools_seen[2] is None

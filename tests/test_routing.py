@@ -80,3 +80,11 @@ def test_unloadable_large_model_is_not_retried_at_once(tmp_path):
         events = list(orch.run_turn(None, "z" * 2000))
         assert any(isinstance(e, Notice) and "models prepare large" in e.message for e in events)
     assert attempts == [1] and [e.text for e in events[-1:]] == ["two"]
+
+
+def test_prompts_fit_the_smaller_window_once_the_large_engine_is_loaded():
+    small, large = ScriptedEngine(context_window=32768), Large(context_window=8192)
+    router = Router(small, lambda: large)
+    assert router.context_window == 32768  # the large one is not loaded yet
+    router.large()
+    assert router.context_window == 8192
