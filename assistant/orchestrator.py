@@ -4,8 +4,10 @@ Design note — the turn loop:
   1. the user message is committed to the store before anything else (never lost); an assistant
      message is inserted as `partial` under it;
   2. when the conversation has documents, the question is searched first ("auto-retrieval"; a
-     question about a whole file — summarise, how many, compare — reads whole pages instead) and the
-     passages get `[n]` markers in the turn's SourceLedger (assistant/citations.py);
+     question about a whole file — summarise, how many, compare — reads whole pages instead). Hits
+     that share no content word with the question are left out unless the question names documents
+     ("file", "pdf", ...), so "compute 20th Fibonacci" does not drag a manual into the prompt (the
+     model can still search itself). Kept passages get `[n]` markers in the turn's SourceLedger;
   3. up to `max_steps` engine calls that may use tools: each prompt is fitted to the context window
      (assistant/context.py) and sent to the engine the Router picks (assistant/routing.py) with the
      enabled tools' specs in the model's own chat template. Deltas are streamed as TextDelta except
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from assistant.agent import ToolCallSplitter, call_message, repair_messages, result_message
-from assistant.citations import SourceLedger, verify_citations
+from assistant.citations import SourceLedger, content_words, verify_citations
 from assistant.config import AssistantConfig
 from assistant.context import MAX_MEMORY_TOKENS, PromptParts, fit_prompt
 from assistant.engine.base import Engine, Message, SamplingParams
@@ -49,6 +51,7 @@ FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in 
                 "above. Do not write any tool call."}
 REPEATED_CALL = ("You already made exactly this call in this turn; its result is above. Change the arguments "
                  "(fix the error it showed) or answer the question.")
+DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
 WHOLE_DOCUMENT = re.compile(r"\b(summari[sz]e|summary|whole|entire|how many|compare|comparison|all the|overview)\b", re.I)
 
 
@@ -241,7 +244,7 @@ class Orchestrator:
         handle = getattr(search, "handle", None)
         if not self.options.auto_retrieve or handle is None:
             return []
-        from tools.retrieval import MAX_PASSAGE_CHARS, doc_name, read_passages, search_passages
+        from tools.retrieval import MAX_PASSAGE_CHARS, add_hit, doc_name, read_passages
 
         if WHOLE_DOCUMENT.search(question):
             documents = [doc_name(d) for d in handle.get().documents()]
@@ -259,8 +262,11 @@ class Orchestrator:
             yield ToolCallFinished("auto_read", "read_document", True, f"read {len(rendered)} pages")
             return rendered
         yield ToolCallStarted("auto_search", "search_documents", {"query": question})
-        passages = search_passages(handle, ledger, question, k=self.options.retrieve_k)
-        where = ", ".join(dict.fromkeys(f"{p.doc} p. {p.page}" for p in passages)) or "nothing found"
+        hits = handle.get().search(question, self.options.retrieve_k, None)
+        asks_documents = DOCUMENT_WORDS.search(question) is not None
+        wanted = content_words(question)
+        passages = [add_hit(ledger, h) for h in hits if asks_documents or wanted & content_words(h.text)]
+        where = ", ".join(dict.fromkeys(f"{p.doc} p. {p.page}" for p in passages)) or "nothing relevant"
         yield ToolCallFinished("auto_search", "search_documents", True, where)
         return [p.render(MAX_PASSAGE_CHARS) for p in passages]
 

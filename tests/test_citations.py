@@ -36,7 +36,7 @@ def test_uncited_answer_is_attributed_only_when_it_reuses_a_passage():
 
 def test_turn_with_documents_cites_the_right_page_and_stores_sources(tmp_path):
     retriever = FakeRetriever(MANUAL)
-    orch, engine = make_orchestrator(tmp_path, "The warranty period is 7 years [3]. See also [5].",
+    orch, engine = make_orchestrator(tmp_path, "The warranty period is 7 years [2]. See also [5].",
                                      retriever=retriever)
     events = list(orch.run_turn(None, "What is the warranty period of the Zephyr X2?"))
     assert retriever.searches == ["What is the warranty period of the Zephyr X2?"]  # auto-retrieval
@@ -44,12 +44,13 @@ def test_turn_with_documents_cites_the_right_page_and_stores_sources(tmp_path):
     assert context["role"] == "system" and "[1] zephyr_manual.pdf p. 3: Warranty" in context["content"]
     sources = next(e for e in events if isinstance(e, Sources))
     done = events[-1]
-    # the model cited [3] -> whatever passage got number 3 this turn, and [5] was never shown
-    assert sources.dropped_markers == (5,)
-    assert "[5]" not in done.text and "[3]" in done.text
+    # passages shown: [1] p. 3 and [2] p. 1 (p. 2 shares no word with the question); [5] was never shown
+    assert "[3]" not in context["content"] and "[2] zephyr_manual.pdf p. 1" in context["content"]
+    assert sources.dropped_markers == (5,) and [(s.marker, s.page) for s in sources.sources] == [(2, 1)]
+    assert "[5]" not in done.text and "[2]" in done.text
     stored = orch.store.get_message(done.message_id)
     assert stored.meta["dropped_markers"] == [5]
-    assert [s["marker"] for s in stored.meta["sources"]] == [3]
+    assert [s["marker"] for s in stored.meta["sources"]] == [2]
     assert "[5]" not in stored.content
     started = [e for e in events if isinstance(e, ToolCallStarted)]
     assert started[0].name == "search_documents"  # auto-retrieval is shown as a step
@@ -120,3 +121,18 @@ def test_no_documents_means_no_retrieval_tools(tmp_path):
 def test_code_indexing_is_not_a_citation():
     check = verify_citations("Use `a[1]` or x[2] then\n```python\nb[3]\n```\nand fact [9].", _ledger())
     assert check.text == "Use `a[1]` or x[2] then\n```python\nb[3]\n```\nand fact." and check.dropped_markers == (9,)
+
+
+def test_auto_retrieval_leaves_out_unrelated_hits(tmp_path):
+    class Everything(FakeRetriever):
+        def search(self, query, k=None, filters=None):  # a dense index always returns something
+            return super().search("warranty zephyr filter purifier", k, filters)
+
+    orch, engine = make_orchestrator(tmp_path, "6765.", "It covers 7 years [1].", retriever=Everything(MANUAL))
+    events = list(orch.run_turn(None, "Compute the 20th Fibonacci number with Python."))
+    assert not any(m["content"].startswith("Passages") for m in engine.prompts[0])
+    assert not any(isinstance(e, Sources) and e.sources for e in events)
+    finished = next(e for e in events if isinstance(e, ToolCallFinished))
+    assert finished.summary == "nothing relevant"
+    events = list(orch.run_turn(None, "What does the document say?"))  # names documents: keep the hits
+    assert engine.prompts[1][-2]["content"].startswith("Passages")
