@@ -35,22 +35,29 @@ class Chunker:
     def __init__(self, tokenize: Callable[[str], list], *, chunk_tokens: int = 200, overlap_tokens: int = 30) -> None:
         if not 0 <= overlap_tokens < chunk_tokens:
             raise ValueError(f"overlap_tokens={overlap_tokens} must be >= 0 and below chunk_tokens={chunk_tokens}")
-        try:
-            from llama_index.core.node_parser import SentenceSplitter
-        except ImportError as e:
-            raise ImportError("llama-index-core is not installed: pip install -e '.[ingest]'") from e
-        self._splitter = SentenceSplitter(
-            chunk_size=chunk_tokens, chunk_overlap=overlap_tokens, tokenizer=tokenize,
-            paragraph_separator="\n\n", include_metadata=False, include_prev_next_rel=False,
-        )
+        self.tokenize, self.chunk_tokens, self.overlap_tokens = tokenize, chunk_tokens, overlap_tokens
+        self._splitter = None  # built on first use: importing llama-index takes ~2 s
+
+    def _get_splitter(self):
+        if self._splitter is None:
+            try:
+                from llama_index.core.node_parser import SentenceSplitter
+            except ImportError as e:
+                raise ImportError("llama-index-core is not installed: pip install -e '.[ingest]'") from e
+            self._splitter = SentenceSplitter(
+                chunk_size=self.chunk_tokens, chunk_overlap=self.overlap_tokens, tokenizer=self.tokenize,
+                paragraph_separator="\n\n", include_metadata=False, include_prev_next_rel=False,
+            )
+        return self._splitter
 
     def split(self, document: ParsedDocument) -> list[Chunk]:
         from llama_index.core import Document
 
+        splitter = self._get_splitter()
         chunks: list[Chunk] = []
         heading = ""
         for page in document.pages:
-            nodes = self._splitter.get_nodes_from_documents([Document(text=page.text)])
+            nodes = splitter.get_nodes_from_documents([Document(text=page.text)])
             headings = sorted(page.headings)
             for node in nodes:
                 text = node.get_content()

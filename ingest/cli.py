@@ -84,8 +84,7 @@ def cmd_ingest(args, config) -> int:
         print("Nothing to ingest: no supported files under the given paths.", file=sys.stderr)
         return 1
     started = time.perf_counter()
-    _claim_torch_threads(config)
-    ingester = Ingester.from_config(config, args.collection)
+    ingester = Ingester.from_config(config, args.collection, num_threads=_cli_threads(config))
     if ingester.recovered:
         print(f"Recovered {ingester.recovered} document(s) left half-indexed by an interrupted run.", file=sys.stderr)
     counts = {"added": 0, "updated": 0, "unchanged": 0, "failed": 0}
@@ -126,13 +125,17 @@ def cmd_ingest(args, config) -> int:
 
 
 def cmd_docs_list(args, config) -> int:
-    index = _open_index_for_listing(config, args.collection)
-    try:
-        from ingest.pipeline import list_documents
+    from ingest.pipeline import list_documents
 
-        docs = list_documents(index)
-    finally:
-        index.close()
+    collection = args.collection or config.retrieval.collection
+    if not config.retrieval.qdrant_url and not (Path(config.data_dir) / "qdrant" / collection).exists():
+        docs = []  # listing must not create the collection
+    else:
+        index = _open_index_for_listing(config, collection)
+        try:
+            docs = list_documents(index)
+        finally:
+            index.close()
     if args.json:
         for d in docs:
             print(json.dumps({k: d.get(k) for k in ("doc_id", "path", "file_name", "format", "num_pages",
@@ -165,8 +168,7 @@ def cmd_eval_retrieval(args, config) -> int:
 
     questions = read_qa_file(Path(args.file))
     k = max(5, args.k)
-    _claim_torch_threads(config)
-    retriever = Retriever.from_config(config, args.collection)
+    retriever = Retriever.from_config(config, args.collection, num_threads=_cli_threads(config))
     try:
         ranks = [first_relevant_rank(retriever.search(q["question"], k=k, mode=args.mode), q["doc"], q["pages"])
                  for q in questions]
@@ -219,12 +221,12 @@ def retrieval_metrics(ranks: list[int | None]) -> dict:
     }
 
 
-def _claim_torch_threads(config) -> None:
-    """In a CLI process the embedder is torch's only user: size its thread pool deliberately."""
-    if not config.retrieval.embedder.startswith("hash-"):
-        from ingest.embed import set_torch_threads
+def _cli_threads(config) -> int:
+    """In a CLI process the embedder is torch's only user: size its thread pool deliberately
+    (applied when the model loads, so commands that embed nothing never import torch)."""
+    from ingest.embed import auto_threads
 
-        set_torch_threads(config.retrieval.embed_threads)
+    return config.retrieval.embed_threads or auto_threads()
 
 
 def _open_index_for_listing(config, collection):

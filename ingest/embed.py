@@ -131,14 +131,19 @@ def _counting_tokenizer(hf_tokenizer):
     return copy
 
 
+def auto_threads() -> int:
+    """1 on a 2-vCPU machine, else half the cores (at most 4)."""
+    cores = os.cpu_count() or 1
+    return 1 if cores <= 2 else min(4, cores // 2)
+
+
 def set_torch_threads(num_threads: int) -> int:
     """Set torch intra-op threads deliberately for a process whose torch work is embedding (the CLI,
     the bench). 0 = auto: 1 on a 2-vCPU machine, else half the cores (at most 4). bench/ingest.py
     measures 1 and 2 threads: on a shared 2-vCPU box 2 threads ran at 0.6x of 1 thread."""
     import torch
 
-    cores = os.cpu_count() or 1
-    n = num_threads or (1 if cores <= 2 else min(4, cores // 2))
+    n = num_threads or auto_threads()
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -193,14 +198,45 @@ def verify_sha256(path: Path, expected: str) -> None:
                          f"want {expected[:12]}…): reinstall with {INSTALL_HINT}")
 
 
+class LazyEmbedder(Embedder):
+    """Loads the real embedder on first use, so work that embeds nothing (re-ingesting unchanged
+    files, listing documents, opening the index) does not pay the model load (seconds)."""
+
+    def __init__(self, name: str, dim: int, load) -> None:
+        self.name, self.dim, self._load, self._real = name, dim, load, None
+        self._lock = threading.Lock()
+
+    def get(self) -> Embedder:
+        with self._lock:
+            if self._real is None:
+                self._real = self._load()
+                if self._real.dim != self.dim:
+                    raise ModelError(f"embedder {self.name!r} makes {self._real.dim}-d vectors, expected {self.dim}")
+            return self._real
+
+    @property
+    def max_tokens(self) -> int:  # type: ignore[override]
+        return self.get().max_tokens
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return self.get().embed(texts)
+
+    def tokenize(self, text: str) -> list:
+        return self.get().tokenize(text)
+
+
 _EMBEDDERS: dict[tuple, Embedder] = {}
 _EMBEDDERS_LOCK = threading.Lock()
 
 
-def load_embedder(name: str, *, num_threads: int = 0, batch_size: int = 32) -> Embedder:
-    """Shared embedder instance per (name, threads, batch): loading MiniLM costs ~1 s, so do it once."""
+def load_embedder(name: str, *, num_threads: int = 0, batch_size: int = 32, lazy: bool = False) -> Embedder:
+    """Shared embedder instance per (name, threads, batch): loading MiniLM takes seconds, so do it
+    once. `lazy`: for a packaged model, return at once and load on first use."""
     if name.startswith("hash-") and name[5:].isdigit():
         return HashEmbedder(int(name[5:]))
+    if lazy and name in PACKAGED_DIMS:
+        return LazyEmbedder(name, PACKAGED_DIMS[name],
+                            lambda: load_embedder(name, num_threads=num_threads, batch_size=batch_size))
     key = (name, num_threads, batch_size)
     with _EMBEDDERS_LOCK:
         if key not in _EMBEDDERS:

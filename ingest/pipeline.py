@@ -102,12 +102,13 @@ class Ingester:
         self.recovered = self.recover() if recover else 0
 
     @classmethod
-    def from_config(cls, config, collection: str | None = None) -> "Ingester":
+    def from_config(cls, config, collection: str | None = None, *, num_threads: int | None = None) -> "Ingester":
         from ingest.embed import load_embedder
         from ingest.index import open_index
 
         r = config.retrieval
-        embedder = load_embedder(r.embedder, num_threads=r.embed_threads, batch_size=r.embed_batch_size)
+        threads = r.embed_threads if num_threads is None else num_threads  # 0: leave torch's setting alone
+        embedder = load_embedder(r.embedder, num_threads=threads, batch_size=r.embed_batch_size, lazy=True)
         chunker = Chunker(embedder.tokenize, chunk_tokens=r.chunk_tokens, overlap_tokens=r.chunk_overlap)
         index = open_index(config, embedder.dim, collection)
         return cls(index, embedder, chunker, batch_size=r.embed_batch_size, ocr_languages=r.ocr_languages)

@@ -60,13 +60,14 @@ class Retriever:
         self.top_k, self.candidates = top_k, candidates
 
     @classmethod
-    def from_config(cls, config, collection: str | None = None) -> "Retriever":
+    def from_config(cls, config, collection: str | None = None, *, num_threads: int | None = None) -> "Retriever":
         """Open the configured collection (Edge under <data_dir>/qdrant, or retrieval.qdrant_url)."""
         from ingest.embed import load_embedder
         from ingest.index import open_index
 
         r = config.retrieval
-        embedder = load_embedder(r.embedder, num_threads=r.embed_threads, batch_size=r.embed_batch_size)
+        threads = r.embed_threads if num_threads is None else num_threads  # 0: leave torch's setting alone
+        embedder = load_embedder(r.embedder, num_threads=threads, batch_size=r.embed_batch_size, lazy=True)
         return cls(open_index(config, embedder.dim, collection), embedder, top_k=r.top_k, candidates=r.candidates)
 
     def search(self, query: str, k: int | None = None, filters: dict[str, Any] | None = None, *,

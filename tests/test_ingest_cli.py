@@ -73,8 +73,8 @@ def test_eval_retrieval_prints_one_json_line(corpus, capsys):
     qa = corpus / "qa.jsonl"
     qa.write_text("\n".join(json.dumps(row) for row in [
         {"question": "where is the OSPREY mat key", "doc": "notes.md", "pages": [1], "answer": "ignored"},
-        {"question": "PM3X page marker", "doc": "manual.pdf", "pages": [3]},
-        {"question": "PE2X end of page", "doc": "docs/manual.pdf", "pages": [2]},
+        {"question": "PM3X", "doc": "manual.pdf", "pages": [3]},
+        {"question": "PE2X", "doc": "docs/manual.pdf", "pages": [2]},
         {"question": "something absent ZZZQQQ", "doc": "nowhere.pdf", "pages": [1]},
     ]) + "\n")
     code, out, err = run(capsys, "eval", "retrieval", str(qa), "--data-dir", data, "--collection", "scratch", "--k", "5")
