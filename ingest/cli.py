@@ -89,26 +89,37 @@ def cmd_ingest(args, config) -> int:
         print(f"Recovered {ingester.recovered} document(s) left half-indexed by an interrupted run.", file=sys.stderr)
     counts = {"added": 0, "updated": 0, "unchanged": 0, "failed": 0}
     num_pages = num_chunks = 0
-    bar = tqdm(total=len(paths), unit="file", desc="Ingesting", file=sys.stderr, disable=None, dynamic_ncols=True)
+    expected = {p: estimate_pages(p) for p in paths}  # cheap page counts, so the ETA covers big PDFs
+    bar = tqdm(total=sum(expected.values()), unit="page", desc="Ingesting", file=sys.stderr, disable=None,
+               dynamic_ncols=True)
+    advanced = 0  # pages of the current file already counted on the bar
 
     def on_progress(what: str, n: int) -> None:
-        nonlocal num_pages, num_chunks
+        nonlocal num_pages, num_chunks, advanced
         if what == "pages":
             num_pages += n
-        else:
+        elif what == "chunks":
             num_chunks += n
-        bar.set_postfix(pages=num_pages, chunks=num_chunks, refresh=True)
+        elif what == "pages_done" and advanced < expected[path]:
+            step = min(n, expected[path] - advanced)
+            advanced += step
+            bar.update(step)
+        bar.set_postfix(files=f"{done_files}/{len(paths)}", chunks=num_chunks, refresh=False)
 
+    done_files = 0
     try:
         for path in paths:
             bar.set_description(f"Ingesting {path.name[:30]}")
+            advanced = 0
             result = ingester.ingest_file(path, on_progress)
             counts[result.status] += 1
             if result.status == "failed":
                 bar.write(f"Skipping {path}: {result.error}", file=sys.stderr)
             for warning in result.warnings:
                 bar.write(f"Warning {path}: {warning}", file=sys.stderr)
-            bar.update(1)
+            bar.update(expected[path] - advanced)  # unchanged / failed files, blank pages dropped
+            done_files += 1
+            bar.set_postfix(files=f"{done_files}/{len(paths)}", chunks=num_chunks)
         bar.close()
         if counts["added"] + counts["updated"] and ingester.should_optimize():
             print("Optimizing the index for search speed (a few minutes on a large collection; "
@@ -122,6 +133,19 @@ def cmd_ingest(args, config) -> int:
           f"{counts['unchanged']} unchanged, {counts['failed']} failed; {num_pages} pages, {num_chunks} chunks "
           f"into collection {args.collection or config.retrieval.collection!r}.")
     return 1 if counts["failed"] else 0
+
+
+def estimate_pages(path: Path) -> int:
+    """A PDF's page count (opening it reads only the page tree), else 1."""
+    if path.suffix.lower() != ".pdf":
+        return 1
+    try:
+        import pymupdf
+
+        with pymupdf.open(path) as pdf:
+            return max(1, pdf.page_count)
+    except Exception:  # noqa: BLE001 - a broken file is reported when it is ingested
+        return 1
 
 
 def cmd_docs_list(args, config) -> int:

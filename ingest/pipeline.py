@@ -39,7 +39,7 @@ from ingest.parse import is_supported, parse_file
 POINT_NAMESPACE = uuid.UUID("6b1d3a58-3f0e-4bb6-9a57-2f4f3c1e9d10")
 OPTIMIZE_MIN_POINTS = 20_000  # below this a plain (brute-force) Edge segment answers in a few ms anyway
 
-Progress = Callable[[str, int], None]  # ("pages" | "chunks", how many more)
+Progress = Callable[[str, int], None]  # ("pages" parsed | "chunks" embedded | "pages_done" embedded, how many more)
 
 
 @dataclass
@@ -209,6 +209,8 @@ class Ingester:
         self.index.upsert([IndexPoint(point_id(doc_id, version, "page", p.number),
                                       {**base, "kind": "page", "page": p.number, "text": p.text, "ocr": p.ocr})
                            for p in pages])
+        ordinal = {p.number: i for i, p in enumerate(pages)}
+        pages_done = 0
         for start in range(0, len(chunks), self.batch_size):
             batch = chunks[start:start + self.batch_size]
             texts = [embedding_text(c) for c in batch]
@@ -221,6 +223,10 @@ class Ingester:
                            dense=dense[i], sparse=sparse[i])
                 for i, c in enumerate(batch)])
             progress("chunks", len(batch))
+            done = len(pages) if start + len(batch) == len(chunks) else ordinal[batch[-1].page]
+            if done > pages_done:
+                progress("pages_done", done - pages_done)
+                pages_done = done
 
     def should_optimize(self) -> bool:
         """Large enough for HNSW/sparse indexes to matter (Edge builds them only when asked)."""
