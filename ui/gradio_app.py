@@ -44,6 +44,10 @@ def _stream_answer(orchestrator: Any, message: str, conversation_id: str | None,
             sources = format_sources(event)
         elif isinstance(event, Usage):
             status = f"{event.prompt_tokens} prompt + {event.completion_tokens} answer tokens of {event.context_window}"
+            parts = [f"{name.replace('_', ' ')} {event.breakdown[name]}" for name in ("tools", "memory", "history",
+                     "retrieved", "tool_steps") if event.breakdown.get(name)]
+            if parts:
+                status += f" (prompt: {', '.join(parts)})"
             if event.num_steps > 1:
                 status += f" in {event.num_steps} steps"
             if event.dropped_messages:
