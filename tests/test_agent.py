@@ -5,10 +5,10 @@ import json
 import pytest
 
 from assistant.agent import ToolCallSplitter, loads_lenient, parse_reply
-from assistant.events import Done, Notice, TextDelta, ToolCallFinished, ToolCallStarted, Usage
+from assistant.events import Notice, TextDelta, ToolCallFinished, ToolCallStarted, Usage
 from assistant.orchestrator import AgentOptions
 from tests.agent_fakes import AddTool, make_orchestrator
-from tools.base import Tool, ToolContext, validate_arguments, ToolInputError
+from tools.base import Tool, ToolContext, ToolInputError, validate_arguments
 from tools.registry import ToolRegistry
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

@@ -2,7 +2,7 @@
 
 import pytest
 
-from assistant.context import CUT_TOOL_OUTPUT, MAX_MEMORY_TOKENS, PromptParts, fit_prompt
+from assistant.context import CUT_TOOL_OUTPUT, PromptParts, fit_prompt
 from assistant.engine.base import SamplingParams
 from assistant.engine.fake import ScriptedEngine
 from assistant.errors import EngineError
