@@ -136,3 +136,19 @@ def test_auto_retrieval_leaves_out_unrelated_hits(tmp_path):
     assert finished.summary == "nothing relevant"
     events = list(orch.run_turn(None, "What does the document say?"))  # names documents: keep the hits
     assert engine.prompts[1][-2]["content"].startswith("Passages")
+
+
+def test_unreadable_index_turns_document_tools_off_with_one_warning(caplog):
+    from tools.retrieval import RetrieverHandle
+
+    class Locked(FakeRetriever):
+        def documents(self):
+            raise RuntimeError("index is locked by another process")
+
+    handle = RetrieverHandle(lambda: Locked(MANUAL))
+    with caplog.at_level("WARNING"):
+        assert handle.has_documents() is False
+        handle.refresh()
+        assert handle.has_documents() is False
+    assert [r.message for r in caplog.records].count(
+        "Document tools are off: the document index cannot be read (index is locked by another process).") == 1

@@ -49,7 +49,9 @@ def test_conversation_resume_and_regenerate(served):
     history = other.predict(cid, api_name="/resume")
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
     assert other.predict(api_name="/conversation") == cid
-    orch.tools.get("search_documents").handle._retriever = FakeRetriever(MANUAL)
+    handle = orch.tools.get("search_documents").handle
+    handle._retriever = FakeRetriever(MANUAL)  # documents were ingested meanwhile
+    handle.refresh()
     answer = other.predict("warranty period?", api_name="/ask")
     assert "Seven years [1]." in answer and "zephyr_manual.pdf, p. 3" in answer
     assert [m["content"] for m in engine.prompts[-1] if m["role"] == "user"] == [

@@ -10,7 +10,9 @@ marker `[n]` it can cite and the orchestrator can verify. The retriever is any o
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -19,6 +21,9 @@ from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
 MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
+DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
+
+log = logging.getLogger(__name__)
 
 
 class RetrieverLike(Protocol):
@@ -36,6 +41,8 @@ class RetrieverHandle:
                  index_dir: Path | None = None) -> None:
         self._factory = factory
         self._index_dir = index_dir  # embedded index location: nothing there means no documents (no load)
+        self._checked: tuple[float, bool] | None = None  # (when, result) of the last has_documents()
+        self._warned = False
         self._retriever: RetrieverLike | None = None
         self._lock = threading.Lock()
         self.top_k = top_k
@@ -60,13 +67,26 @@ class RetrieverHandle:
                 self._retriever = self._factory()
             return self._retriever
 
+    def refresh(self) -> None:
+        """Forget the cached has_documents() answer (call after ingesting in the same process)."""
+        self._checked = None
+
     def has_documents(self) -> bool:
+        """Whether anything is ingested; asked for every turn, so the answer is kept DOCS_CHECK_TTL_S."""
         if self._retriever is None and self._index_dir is not None and not self._index_dir.exists():
             return False
+        now = time.monotonic()
+        if self._checked is not None and now - self._checked[0] < DOCS_CHECK_TTL_S:
+            return self._checked[1]
         try:
-            return bool(self.get().documents())
-        except Exception:  # no index yet, or the backend cannot open: nothing to retrieve from
-            return False
+            found = bool(self.get().documents())
+        except Exception as e:  # the index cannot open (locked by another process, broken): say why, go on
+            if not self._warned:
+                log.warning("Document tools are off: the document index cannot be read (%s).", e)
+                self._warned = True
+            found = False
+        self._checked = (now, found)
+        return found
 
 
 def doc_name(item: Any) -> str:
