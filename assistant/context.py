@@ -15,7 +15,8 @@ Design note — the context budget:
     1. oldest whole *turns* of history (a user message and everything up to the next one; the model
        never sees an answer without its question). With a `summarize` callback (the orchestrator
        passes one that asks the model, see Orchestrator.summarize) the dropped turns are folded into
-       the memory, at most MAX_MEMORY_TOKENS long; without one they are simply dropped;
+       the memory, at most memory_tokens(budget) long (MAX_MEMORY_TOKENS, or a quarter of a small
+       budget); without one they are simply dropped;
     2. retrieved passages, lowest ranked first (the model can still fetch them with a tool);
     3. outputs of this turn's earlier tool steps, oldest first, cut to a marker line;
   The system prompt, the tool specs and the new user message are never cut: if they alone do not
@@ -36,7 +37,7 @@ MAX_MEMORY_TOKENS = 160  # answer budget of one summary of dropped turns
 CUT_TOOL_OUTPUT = "(output removed to fit the context window)"
 
 CountTokens = Callable[..., int]  # count_tokens(messages, tools=...) -> int
-Summarize = Callable[[str, Sequence[Message]], str]  # (previous memory, dropped messages) -> new memory
+Summarize = Callable[[str, Sequence[Message], int], str]  # (previous memory, dropped messages, max tokens) -> memory
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,12 @@ def fit_prompt(
     if tokens > budget and turns:
         # 1. history, oldest whole turns first; leave room for the new memory when summarising
         current_memory = tokens_of(memory_message(memory), count_tokens) if memory else 0
-        room = max(0, MAX_MEMORY_TOKENS + 8 - current_memory) if summarize else 0
+        room = max(0, memory_tokens(budget) + 8 - current_memory) if summarize else 0
         while tokens > budget - room and turns:
             dropped.extend(turns.pop(0))
             messages, tokens = measure()
         if summarize and dropped:
-            memory = summarize(memory, dropped)
+            memory = summarize(memory, dropped, memory_tokens(budget))
             summarised = len(dropped)
             messages, tokens = measure()
     while tokens > budget:
@@ -146,6 +147,11 @@ def fit_prompt(
     return ContextPlan(messages, tokens, len(dropped), memory, summarised, context_dropped, steps_cut, breakdown)
 
 
+def memory_tokens(budget: int) -> int:
+    """The longest summary worth keeping within `budget` prompt tokens."""
+    return max(16, min(MAX_MEMORY_TOKENS, budget // 4))
+
+
 def tokens_of(message: Message, count_tokens: CountTokens) -> int:
     return count_tokens([message])
 
@@ -159,18 +165,21 @@ def _first_uncut_output(steps: list[Message]) -> int | None:
 
 def _breakdown(parts: PromptParts, memory: str, turns: list[list[Message]], context: list[str],
                steps: list[Message], total: int, count_tokens: CountTokens, budget: int, reserve: int) -> dict[str, int]:
-    def count(messages: list[Message]) -> int:
-        return count_tokens(messages) if messages else 0
+    """Tokens per part, each measured after the system prompt (chat templates add a default system
+    prompt to a message list without one, which would inflate a part counted alone)."""
+    system = count_tokens([parts.system])
 
-    system = count([parts.system])
+    def after_system(messages: list[Message]) -> int:
+        return count_tokens([parts.system, *messages]) - system if messages else 0
+
     out = {
         "system": system,
         "tools": max(0, count_tokens([parts.system], tools=list(parts.tools)) - system) if parts.tools else 0,
-        "memory": count([memory_message(memory)]) if memory else 0,
-        "history": count([m for t in turns for m in t]),
-        "retrieved": count([context_message(context)]) if context else 0,
-        "user": count([parts.user]),
-        "tool_steps": count(steps),
+        "memory": after_system([memory_message(memory)]) if memory else 0,
+        "history": after_system([m for t in turns for m in t]),
+        "retrieved": after_system([context_message(context)]) if context else 0,
+        "user": after_system([parts.user]),
+        "tool_steps": after_system(steps),
     }
     out["total"] = total
     out["reserved_answer"] = reserve

@@ -270,14 +270,14 @@ class Orchestrator:
         yield ToolCallFinished("auto_search", "search_documents", True, where)
         return [p.render(MAX_PASSAGE_CHARS) for p in passages]
 
-    def summarize(self, memory: str, messages: list[Message]) -> str:
+    def summarize(self, memory: str, messages: list[Message], max_tokens: int = MAX_MEMORY_TOKENS) -> str:
         """Fold `messages` (and the previous memory) into a short summary, written by the small model."""
         transcript = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
         if memory:
             transcript = f"Earlier summary: {memory}\n{transcript}"
         prompt = [{"role": "system", "content": "You summarise conversations. Keep names, numbers and decisions."},
                   {"role": "user", "content": f"Summarise this conversation in a few sentences:\n\n{transcript}"}]
-        params = SamplingParams(max_tokens=MAX_MEMORY_TOKENS)
+        params = SamplingParams(max_tokens=max_tokens)
         return "".join(d.text for d in self.engine.generate(prompt, params)).strip()
 
 

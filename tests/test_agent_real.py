@@ -157,3 +157,23 @@ def test_three_turn_conversation_survives_a_server_restart(models_dir, tmp_path)
     assert [m.role for m in path] == ["user", "assistant"] * 3
     assert all(m.status == "complete" for m in path)
     assert "Berlin" in path[-1].content and "Rome" in path[3].content
+
+
+def test_overflowing_history_is_summarised_by_the_model(models_dir, tmp_path):
+    from assistant.orchestrator import AgentOptions, Orchestrator
+    from tools.registry import ToolRegistry
+
+    config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "models_dir": str(models_dir),
+                                                     "engine.max_new_tokens": 40, "engine.max_context_tokens": 200})
+    orch = Orchestrator.from_config(config, tools=ToolRegistry(), options=AgentOptions(summarize_overflow=True))
+    cid = None
+    for question in ["My name is Ada and I live in Lisbon. I like sailing and old maps.",
+                     "What is the capital of Italy? Answer in one sentence.", "What is 12 times 12?",
+                     "Name a famous Portuguese explorer."]:
+        cid = list(orch.run_turn(cid, question))[-1].conversation_id
+    events = list(orch.run_turn(cid, "What is my name?"))
+    usage = next(e for e in events if e.type == "usage")
+    assert usage.dropped_messages > 0 and usage.breakdown["memory"] > 0 and usage.prompt_tokens <= 200 - 40
+    memory = orch.store.get_message(events[-1].message_id).meta["memory"]["summary"]
+    assert "Ada" in memory  # the model wrote the summary of the dropped first turn
+    assert "Ada" in events[-1].text

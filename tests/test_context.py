@@ -43,15 +43,17 @@ def test_drop_policy_without_summariser_drops_oldest_whole_turns():
 def test_summariser_folds_dropped_turns_into_memory():
     seen = []
 
-    def summarize(memory, messages):
+    def summarize(memory, messages, max_tokens):
         seen.append((memory, [m["content"][:2] for m in messages]))
-        return "user asked q0..q2"
+        assert max_tokens == 60  # a quarter of the 240-token budget
+        return "user asked q0 and q1"
 
     parts = PromptParts(SYSTEM, {"role": "user", "content": "now"}, _turns(4), memory="older")
     plan = fit_prompt(parts, count_tokens=count, context_window=290, reserve=50, summarize=summarize)
-    assert seen == [("older", ["q0", "a0", "q1", "a1", "q2", "a2"])]
-    assert plan.memory == "user asked q0..q2" and plan.num_summarised == 6
-    assert plan.messages[1]["content"].endswith("user asked q0..q2")
+    assert seen == [("older", ["q0", "a0", "q1", "a1"])]  # room for a 60-token summary was enough
+    assert plan.memory == "user asked q0 and q1" and plan.num_summarised == 4
+    assert plan.messages[1]["content"].endswith("user asked q0 and q1")
+    assert [m["content"][:2] for m in plan.messages[2:]] == ["q2", "a2", "q3", "a3", "no"]
     assert plan.prompt_tokens <= 290 - 50
 
 
