@@ -139,7 +139,7 @@ def _cmd_branches(args, config) -> int:
         if len(siblings) < 2 or m.parent_id in seen:
             continue
         seen.add(m.parent_id or "")
-        print(f"{len(siblings)} versions of a {m.role} message:")
+        print(f"{len(siblings)} versions of the {m.role} message after {m.parent_id or 'the start'}:")
         for s in siblings:
             mark = "*" if s.id in active else " "
             print(f" {mark} {s.id}  {' '.join(s.content.split())[:70]}")
