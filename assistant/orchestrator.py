@@ -84,6 +84,7 @@ class Orchestrator:
 
         engine = engine or create_engine(config)
         router = None
+        large_model = large_model if large_model is not None else config.engine.large_model
         if large_model:
             from dataclasses import replace
 

@@ -61,3 +61,9 @@ def test_missing_and_broken_toml(tmp_path):
 def test_local_model_path_is_accepted(tmp_path):
     config = AssistantConfig.load(env={"ASSISTANT_ENGINE_MODEL": str(tmp_path)})
     assert config.engine.model == str(tmp_path)
+
+
+def test_unknown_large_model_says_how_to_turn_routing_off():
+    with pytest.raises(ConfigError, match=r"engine.large_model.*\"\" to serve every turn"):
+        AssistantConfig.load(env={"ASSISTANT_ENGINE_LARGE_MODEL": "huge"})
+    assert AssistantConfig.load(env={"ASSISTANT_ENGINE_LARGE_MODEL": "large"}).engine.large_model == "large"
