@@ -34,7 +34,14 @@ def _offline(monkeypatch):
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
 
 
-@pytest.fixture
-def shared_models_dir() -> Path:
-    """Prepared models shared by every test data dir (prepared once by `make test`)."""
-    return Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models")).resolve()
+@pytest.fixture(scope="module")
+def models_dir() -> Path:
+    """Prepared models shared by every test data dir (prepared once by `make test`); the default
+    chat model must be there (skip on a laptop, fail under ASSISTANT_REQUIRE_REAL=1)."""
+    from assistant.models import prepared_path, resolve_model_name
+
+    path = Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models")).resolve()
+    need(prepared_path(resolve_model_name("qwen2.5-coder-0.5b"), path) is not None,
+         f"the prepared default model in {path}",
+         "run `make test` or `assistant models prepare` (set ASSISTANT_MODELS_DIR to share it)")
+    return path

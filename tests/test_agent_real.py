@@ -15,8 +15,7 @@ import pytest
 
 from assistant.config import AssistantConfig
 from assistant.events import Done, Sources, ToolCallFinished
-from tests.conftest import REPO_ROOT, need
-from tests.real import prepared_default_model
+from tests.conftest import need
 
 pytestmark = pytest.mark.real
 
@@ -29,12 +28,6 @@ PAGES = [
     "not covered by the warranty.",
 ]
 
-
-@pytest.fixture(scope="module")
-def models_dir() -> Path:
-    path = Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models")).resolve()
-    prepared_default_model(path)
-    return path
 
 
 def _config(data_dir: Path, models_dir: Path, max_new_tokens: int = 96) -> AssistantConfig:

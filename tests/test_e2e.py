@@ -14,17 +14,9 @@ import pytest
 
 from assistant.config import AssistantConfig
 from assistant.events import Done
-from tests.conftest import REPO_ROOT
-from tests.real import prepared_default_model
 
 pytestmark = pytest.mark.real
 
-
-@pytest.fixture(scope="module")
-def models_dir() -> Path:
-    path = Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models")).resolve()
-    prepared_default_model(path)
-    return path
 
 
 def _env(models_dir: Path) -> dict[str, str]:

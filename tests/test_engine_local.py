@@ -8,29 +8,24 @@ batched greedy == sequential greedy, streaming == non-streaming, prefix-cache hi
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from assistant.config import AssistantConfig
 from assistant.engine.base import SamplingParams
-from tests.conftest import REPO_ROOT
-from tests.real import prepared_default_model
 
 pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory) -> AssistantConfig:
+def tiny_config(tmp_path_factory, models_dir) -> AssistantConfig:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    models_dir = Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models"))
-    source = prepared_default_model(models_dir)
+    source = models_dir / "qwen2.5-coder-0.5b"
     tiny = tmp_path_factory.mktemp("tiny-qwen")
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

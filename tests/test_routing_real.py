@@ -12,17 +12,10 @@ import pytest
 
 from assistant.config import AssistantConfig
 from assistant.events import Done, Notice, Sources
-from tests.conftest import REPO_ROOT, need
-from tests.real import prepared_default_model
+from tests.conftest import need
 
 pytestmark = pytest.mark.real
 
-
-@pytest.fixture(scope="module")
-def models_dir() -> Path:
-    path = Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models")).resolve()
-    prepared_default_model(path)
-    return path
 
 
 def _config(data_dir: Path, models_dir: Path) -> AssistantConfig:

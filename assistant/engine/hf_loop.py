@@ -25,13 +25,12 @@ from assistant.engine.base import (
     FINISH_LENGTH,
     FINISH_STOP,
     Engine,
-    Message,
     Prompt,
     SamplingParams,
     TokenDelta,
 )
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
-from assistant.engine.loading import LoadedModel, eos_token_ids, load_model
+from assistant.engine.loading import ChatTemplateEncoding, LoadedModel, eos_token_ids, load_model
 from assistant.engine.sampling import sample
 from assistant.errors import EngineError
 
@@ -48,7 +47,7 @@ def decode_one_token(model: Any, token: Any, cache: Any) -> Any:
     return out.logits[:, -1, :]
 
 
-class HFLoopEngine(Engine):
+class HFLoopEngine(ChatTemplateEncoding, Engine):
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -62,18 +61,6 @@ class HFLoopEngine(Engine):
     @classmethod
     def from_config(cls, config: AssistantConfig) -> "HFLoopEngine":
         return cls(load_model(config))
-
-    # -- prompt rendering ---------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
-        if prompt and isinstance(prompt[0], int):
-            return list(prompt)  # type: ignore[arg-type]
-        rendered = self.tokenizer.apply_chat_template(
-            list(prompt), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False
-        )
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-
-    def count_tokens(self, messages: Sequence[Message], *, tools: Sequence[dict] | None = None) -> int:
-        return len(self.encode(messages, tools))
 
     # -- generation ---------------------------------------------------------------------------------
     def generate(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from assistant.config import AssistantConfig
 from assistant.errors import ModelError
@@ -103,7 +103,7 @@ def resolve_model_path(config: AssistantConfig) -> Path:
 
 
 def load_model(config: AssistantConfig) -> LoadedModel:
-    torch = _require_torch()
+    _require_torch()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     set_threads(config.engine.num_threads)
@@ -142,3 +142,20 @@ def eos_token_ids(hf_model: Any, tokenizer: Any) -> set[int]:
         if isinstance(token_id, int) and token_id >= 0 and token_id != tokenizer.unk_token_id:
             ids.add(token_id)
     return ids
+
+
+class ChatTemplateEncoding:
+    """`encode` / `count_tokens` for engines that hold a transformers tokenizer (`self.tokenizer`):
+    chat messages are rendered with the model's own chat template (tools included)."""
+
+    tokenizer: Any
+
+    def encode(self, prompt: Sequence[Any], tools: Sequence[dict] | None = None) -> list[int]:
+        if prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        rendered = self.tokenizer.apply_chat_template(
+            list(prompt), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    def count_tokens(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None) -> int:
+        return len(self.encode(messages, tools))

@@ -28,14 +28,13 @@ from assistant.engine.base import (
     FINISH_LENGTH,
     FINISH_STOP,
     Engine,
-    Message,
     Prompt,
     SamplingParams,
     TokenDelta,
 )
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
 from assistant.engine.kv_cache import BlockManager, KVCache
-from assistant.engine.loading import LoadedModel, eos_token_ids, load_model
+from assistant.engine.loading import ChatTemplateEncoding, LoadedModel, eos_token_ids, load_model
 from assistant.engine.model import SeqBatch, Transformer
 from assistant.engine.sampling import sample
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
@@ -62,7 +61,7 @@ def resolve_quantize(quantize: str, device: Any) -> str | None:
     return None if quantize == "none" else quantize
 
 
-class LocalEngine(Engine):
+class LocalEngine(ChatTemplateEncoding, Engine):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         import torch
 
@@ -91,17 +90,6 @@ class LocalEngine(Engine):
     @classmethod
     def from_config(cls, config: AssistantConfig) -> "LocalEngine":
         return cls(load_model(config), config.engine)
-
-    # -- prompt rendering -------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
-        if prompt and isinstance(prompt[0], int):
-            return list(prompt)  # type: ignore[arg-type]
-        rendered = self.tokenizer.apply_chat_template(
-            list(prompt), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-
-    def count_tokens(self, messages: Sequence[Message], *, tools: Sequence[dict] | None = None) -> int:
-        return len(self.encode(messages, tools))
 
     def stats(self) -> dict[str, Any]:
         s = self.blocks.stats
