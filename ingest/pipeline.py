@@ -178,6 +178,8 @@ class Ingester:
             return FileResult(path, "failed", error=str(e))
         except OSError as e:
             return FileResult(path, "failed", error=f"cannot read file: {e.strerror or e}")
+        except Exception as e:  # noqa: BLE001 - a parser bug on one odd file must not stop the batch
+            return FileResult(path, "failed", error=f"could not be read ({type(e).__name__}: {e})")
         record = {
             "kind": "doc", "doc_id": doc_id, "path": str(abspath), "file_name": abspath.name,
             "format": parsed.format, "committed": (old or {}).get("committed", ""), "dirty": 1,
@@ -185,7 +187,7 @@ class Ingester:
             "ingested_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "warnings": parsed.warnings,
         }
         try:
-            self._write_record(record)
+            self._write_record({**old, "dirty": 1} if old else record)  # the old version's facts until committed
             self._write_points(record, version, parsed.pages, chunks, progress)
             where_new = {"doc_id": doc_id, "version": version, "kind": ["chunk", "page"]}
             self.index.set_payload(where_new, {"visible": 1})

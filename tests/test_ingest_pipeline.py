@@ -130,6 +130,7 @@ def test_interrupted_ingest_leaves_no_half_file_and_rerun_completes(tmp_path, ex
     assert rerun.index.count({"kind": "doc", "dirty": 1}) == 0
     if existing:
         assert rerun.index.count({"kind": "chunk"}) == old.num_chunks  # the half-written version is gone
+        assert rerun.list_documents()[0]["num_pages"] == 2  # and the ledger still describes the old one
     else:
         assert rerun.index.count({}) == 0
     result = rerun.ingest_file(pdf)
