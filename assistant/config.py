@@ -82,7 +82,7 @@ class RetrievalConfig:
     chunk_overlap: int = 30  # tokens repeated between neighbouring chunks of a page
     candidates: int = 50  # chunks each of the dense and the sparse search hand to RRF fusion
     embed_batch_size: int = 32  # chunks embedded (and upserted) per batch during ingestion
-    embed_threads: int = 0  # torch threads for `assistant ingest`/`eval`; 0 = auto (1 on 2 vCPUs); `serve` keeps the engine's
+    embed_threads: int = 0  # torch threads for `assistant ingest`/`eval`; 0 = the idle cores (max 4); `serve` keeps the engine's
     search_threads: int = 1  # Qdrant Edge search threads (one is fastest for single small queries)
     ocr_languages: str = "eng"  # Tesseract languages, e.g. "eng+deu" (apt-get install tesseract-ocr-deu)
 

@@ -6,8 +6,9 @@
 1. Parse: `ingest.parse.parse_file` (PyMuPDF, exactly as the pipeline runs it) vs `pypdf` text
    extraction on the same files in the same run, one thread each; pages/s and the ratio.
 2. Ingest: parse + chunk + embed (packaged all-MiniLM-L6-v2) + upsert into a fresh Qdrant Edge shard;
-   pages/s over the whole corpus, model load excluded; with the CLI's default torch threads (the JSON
-   figure) and with 1 thread, since a busy sibling vCPU can make 2 threads slower than 1.
+   pages/s over the whole corpus, model load excluded; with 1 and 2 torch threads (a busy sibling
+   vCPU makes 2 threads slower than 1); the JSON figure is the run with the threads `assistant
+   ingest` would pick at the start (the idle cores).
 3. Query: a Qdrant Edge shard with N chunks (synthetic unit vectors, BM25 sparse vectors of
    synthetic text), optimised once, then hybrid (dense + sparse/IDF, RRF) queries with real BM25
    query vectors; p50/p95 of the index query alone, and of `Retriever.search` with the real query
@@ -202,6 +203,9 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=None, help="chunks in the query index (default 100000, quick 10000)")
     parser.add_argument("--queries", type=int, default=300)
     args = parser.parse_args()
+    from ingest.embed import auto_threads
+
+    default_threads = auto_threads()  # what `assistant ingest` would pick now, before this run loads the CPU
     num_pages = args.pages or (100 if args.quick else 500)
     num_points = args.points or (10_000 if args.quick else 100_000)
     work = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
@@ -217,7 +221,6 @@ def main() -> None:
 
         from ingest.embed import set_torch_threads
 
-        default_threads = set_torch_threads(0)  # what `assistant ingest` uses by default
         runs = {}
         for threads in sorted({1, 2, default_threads}, reverse=True):
             runs[threads] = ingest = bench_ingest(paths, work / f"data-{threads}", threads)
@@ -226,7 +229,7 @@ def main() -> None:
                   f"{ingest['torch_threads']} (model load {ingest['load_s']:.1f} s excluded; target >= 5 pages/s)")
         ingest = runs[default_threads]
         print(f"         2 threads vs 1: {runs[2]['pages_per_s'] / runs[1]['pages_per_s']:.2f}x "
-              f"(default here: {default_threads}; retrieval.embed_threads overrides)")
+              f"(auto picked {default_threads} from the idle cores; retrieval.embed_threads overrides)")
         set_torch_threads(default_threads)
 
         query = bench_query(work, num_points, args.queries)
