@@ -132,3 +132,12 @@ def test_a_shard_held_by_another_process_is_a_clear_error(corpus, capsys):
         holder.close()
     assert code == 2 and out == ""
     assert "in use by another process" in err
+
+
+@pytest.mark.parametrize("cores,idle,threads", [(2, 0.3, 1), (2, 1.8, 2), (8, 7.5, 4), (1, 1.0, 1)])
+def test_auto_threads_use_the_idle_cores(monkeypatch, cores, idle, threads):
+    import ingest.embed as embed
+
+    monkeypatch.setattr(embed.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(embed, "_idle_cores", lambda n: idle)
+    assert embed.auto_threads() == threads
