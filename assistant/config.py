@@ -55,7 +55,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block (prefix cache granularity)
     max_num_seqs: int = 16  # requests decoded together in one batch
     max_batched_tokens: int = 512  # tokens computed per engine step
-    max_prefill_chunk: int = 32  # prefill tokens per step while other requests are streaming
+    max_prefill_chunk: int = 64  # upper bound on prefill tokens per step while others stream (tuned below it)
     max_waiting: int = 64  # queued requests before new ones are refused as busy
     prefix_cache: bool = True  # reuse KV of shared prompt prefixes (system prompt, earlier turns, documents)
 

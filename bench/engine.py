@@ -79,18 +79,36 @@ def hf_decode_rate(model, prompt_ids: list[int], new_tokens: int) -> float:
     return (new_tokens - 1) / max(full - one, 1e-9)
 
 
-def llamacpp_decode_rate(gguf: Path, threads: int, new_tokens: int) -> float | None:
+LLAMACPP_SCRIPT = """
+import json, statistics, sys, time
+from llama_cpp import Llama
+gguf, threads, new_tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.stdin.read()
+llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+llm(prompt, max_tokens=4, temperature=0.0)
+rates = []
+for _ in range(2):
+    stamps = [time.perf_counter() for _ in llm(prompt, max_tokens=new_tokens, stream=True, temperature=0.0, top_k=1)]
+    if len(stamps) > 3:
+        rates.append((len(stamps) - 2) / (stamps[-1] - stamps[1]))
+print(json.dumps(statistics.median(rates) if rates else None))
+"""
+
+
+def llamacpp_decode_rate(gguf: Path, prompt_text: str, threads: int, new_tokens: int) -> float | None:
+    """llama-cpp-python on the packaged GGUF, the same chat prompt rendered to text, greedy.
+
+    Runs in its own process: loaded beside torch in this one it died with SIGILL here, and its
+    create_chat_completion crashed too (plain completion does the same work)."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         return None
-    llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=2048, verbose=False)
-    prompt = chat(QUESTIONS[0])
-    llm.create_chat_completion(prompt, max_tokens=4)
-    stamps = []
-    for _ in llm.create_chat_completion(prompt, max_tokens=new_tokens, stream=True, temperature=0.0):
-        stamps.append(time.perf_counter())
-    return (len(stamps) - 2) / (stamps[-1] - stamps[1]) if len(stamps) > 3 else None
+    done = subprocess.run([sys.executable, "-c", LLAMACPP_SCRIPT, str(gguf), str(threads), str(new_tokens)],
+                          input=prompt_text, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        print(f"llama.cpp run failed (exit {done.returncode}): {done.stderr[-300:]}")
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def staggered(engine, prompts, params, gap_s: float) -> float:
@@ -191,7 +209,8 @@ def main() -> None:
                    decode_vs_hf=round(decode / hf_decode, 3))
     print(f"decode batch 1: {decode:.2f} tok/s vs HF generate() {hf_decode:.2f} tok/s -> {decode / hf_decode:.2f}x")
     gguf = next(resolve_model_path(config).glob("*.gguf"), None)  # kept beside the prepared weights
-    llama = llamacpp_decode_rate(gguf, args.threads, new_tokens) if gguf else None
+    prompt_text = engine.tokenizer.apply_chat_template(chat(QUESTIONS[0]), add_generation_prompt=True, tokenize=False)
+    llama = llamacpp_decode_rate(gguf, prompt_text, args.threads, new_tokens) if gguf else None
     results["llamacpp_decode_tok_s"] = None if llama is None else round(llama, 2)
     results["decode_vs_llamacpp"] = None if llama is None else round(decode / llama, 3)
     print(f"llama.cpp: {'not installed (use --build-llamacpp)' if llama is None else f'{llama:.2f} tok/s -> {decode / llama:.2f}x'}")

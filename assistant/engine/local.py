@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -39,6 +40,10 @@ from assistant.engine.model import SeqBatch, Transformer
 from assistant.engine.sampling import sample
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from assistant.errors import EngineBusy, EngineError
+
+ITL_TARGET = 2.0  # a step carrying a prefill chunk may take this many times a pure decode step
+MIN_PREFILL_CHUNK = 4  # ... but a waiting prompt always advances by at least this many tokens
+EMA = 0.2  # weight of the newest measurement in the step-time averages
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: FINISH_STOP, RequestStatus.FINISHED_LENGTH: FINISH_LENGTH,
            RequestStatus.FINISHED_CANCELLED: FINISH_CANCELLED}
@@ -81,6 +86,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_batched_tokens,
                                                    config.max_prefill_chunk, config.max_waiting), self.blocks)
         self.context_window = min(loaded.context_window, num_blocks * config.block_size)
+        self._decode_step_s = 0.0  # EMA of a step without prefill tokens
+        self._prefill_token_s = 0.0  # EMA of the extra time per prefill token in a mixed step
         self._cond = threading.Condition()
         self._closed = False
         self._torch = torch
@@ -171,13 +178,30 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             if not out.scheduled:
                 continue
             try:
+                start = time.perf_counter()
                 logits = self._forward(out.scheduled)
+                self._tune_prefill_chunk(out.scheduled, time.perf_counter() - start)
                 self._process(out.scheduled, logits)
             except Exception as e:  # a bug or the hardware: fail these requests, keep serving others
                 error = EngineError(f"Generation failed: {e}")
                 error.__cause__ = e
                 for r, _ in out.scheduled:
                     self._fail(r, error)
+
+    def _tune_prefill_chunk(self, scheduled: list[tuple[Request, int]], seconds: float) -> None:
+        """Keep steps that carry prefill within ITL_TARGET x a decode step (measured, not guessed:
+        the ratio of prefill to decode cost depends on the machine, threads, quantization and load)."""
+        num_prefill = sum(n for r, n in scheduled if r.num_computed_tokens < len(r.prompt_ids))
+        if num_prefill == 0:
+            self._decode_step_s = seconds if not self._decode_step_s else (1 - EMA) * self._decode_step_s + EMA * seconds
+            return
+        if not self._decode_step_s or len(scheduled) == 1:
+            return  # nothing decoding alongside: no stream to protect
+        per_token = max(seconds - self._decode_step_s, 0.0) / num_prefill
+        self._prefill_token_s = per_token if not self._prefill_token_s else (1 - EMA) * self._prefill_token_s + EMA * per_token
+        if self._prefill_token_s > 0:
+            chunk = int((ITL_TARGET - 1) * self._decode_step_s / self._prefill_token_s)
+            self.scheduler.prefill_chunk = max(MIN_PREFILL_CHUNK, min(chunk, self.scheduler.config.max_prefill_chunk))
 
     def _reap_cancelled(self) -> None:
         for r in [*self.scheduler.running, *self.scheduler.waiting]:

@@ -7,8 +7,9 @@ NOTE — the model of scheduling (after vLLM v1):
   prompt while it is prefilling and exactly 1 once it is decoding. After the step, a request whose
   computed count reached its length samples one token, which makes it one longer again.
   * Running requests are served first, oldest first, so streams already talking keep talking.
-  * While any request is decoding, prefill gets at most `max_prefill_chunk` tokens per step, so a
+  * While any request is decoding, prefill gets at most `prefill_chunk` tokens per step, so a
     long prompt arriving never stalls running streams for more than one small chunk (chunked prefill).
+    The engine tunes `prefill_chunk` (up to `max_prefill_chunk`) from measured step times.
   * Waiting requests are admitted FCFS while the budget, `max_num_seqs` and KV blocks allow; their
     prompts first reuse cached prefix blocks (prefix caching), which counts as already computed.
   * When a running request needs a block and none is free, the newest running request is preempted:
@@ -94,6 +95,7 @@ class Scheduler:
         self.config, self.blocks = config, blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefill_chunk = config.max_prefill_chunk  # current cap while others decode (engine-tuned)
 
     def add(self, request: Request) -> bool:
         """Queue a request; False when the waiting queue is full."""
@@ -113,7 +115,7 @@ class Scheduler:
         preempted: list[Request] = []
         refused: list[Request] = []
         decoding = any(r.num_computed_tokens >= len(r.prompt_ids) for r in self.running)
-        prefill_cap = cfg.max_prefill_chunk if decoding else cfg.max_batched_tokens
+        prefill_cap = self.prefill_chunk if decoding else cfg.max_batched_tokens
 
         queue = list(self.running)
         while queue and budget > 0:
@@ -154,7 +156,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
-            prefill_cap = min(prefill_cap, cfg.max_prefill_chunk)  # later admissions are chunked too
+            prefill_cap = min(prefill_cap, self.prefill_chunk)  # later admissions are chunked too
         return SchedulerOutput(scheduled, cfg.max_batched_tokens - budget, preempted, refused)
 
     def _num_new(self, request: Request, budget: int, prefill_cap: int) -> int:
