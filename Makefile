@@ -60,6 +60,9 @@ sandbox: venv
 
 bench: setup
 	$(BIN)/python bench/engine_baseline.py
+	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/ingest.py
+	$(BIN)/python bench/sandbox.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
