@@ -7,8 +7,9 @@ PIP       := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP     := $(VENV)/.installed
 DATA_DIR  ?= ./data
 EXTRAS    := engine,ui,ingest,sandbox,postgres,test
-# Debian packages the product uses (installed only when running as root and missing).
-APT_PACKAGES := tesseract-ocr tesseract-ocr-eng
+# Debian packages the product and its tests use (installed only when running as root and missing):
+# Tesseract for OCR, PostgreSQL server binaries for the store test on a real (throwaway) server.
+APT_PACKAGES := tesseract-ocr tesseract-ocr-eng postgresql
 SHELL     := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 QUIET     := { grep -v '^WARNING: Location' || true; }

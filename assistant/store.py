@@ -104,7 +104,10 @@ class Store:
             else:
                 self.db = create_engine(url, pool_pre_ping=True)
             metadata.create_all(self.db)
-        except Exception as e:  # driver missing, server down, bad URL
+        except ModuleNotFoundError as e:
+            raise StoreError(f"The database driver for {_redact(url)} is not installed ({e.name}): for PostgreSQL "
+                             "run pip install -e '.[postgres]' (make does it).") from e
+        except Exception as e:  # server down, bad URL, no permission
             raise StoreError(f"Cannot open the store at {_redact(url)}: {e}") from e
 
     # -- conversations --------------------------------------------------------------------------
