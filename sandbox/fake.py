@@ -9,7 +9,6 @@ same `SessionPool` (bounded, LRU-evicted). No limits are enforced: no timeout, m
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 import os
@@ -17,13 +16,13 @@ import shutil
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from assistant.config import SandboxConfig
 from sandbox.base import Artifact, CodeOutput, Executor, truncate_output
 from sandbox.pool import SessionPool
+from sandbox.kernel import execute  # the real kernel's cell semantics, in-process
 
 _CWD_LOCK = threading.Lock()  # chdir is process-wide
 
@@ -54,7 +53,7 @@ class FakeExecutor(Executor):
             before = _scan(session.work_dir)
             out, err = io.StringIO(), io.StringIO()
             with _CWD_LOCK, _chdir(session.work_dir), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                exit_code = _execute(code, session.namespace, f"<cell {session.num_runs}>")
+                exit_code = execute(code, session.namespace, f"<cell {session.num_runs}>")
             files = _changed(session.work_dir, before, self.config.max_artifact_bytes)
         limit = self.config.max_output_bytes
         return CodeOutput(
@@ -83,23 +82,6 @@ class FakeExecutor(Executor):
 
     def _stop(self, session: FakeSession) -> None:
         shutil.rmtree(session.work_dir, ignore_errors=True)
-
-
-def _execute(code: str, namespace: dict, filename: str) -> int:
-    try:
-        tree = ast.parse(code, filename)
-        last = ast.Expression(tree.body.pop().value) if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        exec(compile(tree, filename, "exec"), namespace)
-        if last is not None:
-            value = eval(compile(last, filename, "eval"), namespace)
-            if value is not None:
-                print(repr(value))
-        return 0
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except Exception as e:  # noqa: BLE001 - the code's error, returned as its result
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        return 1
 
 
 @contextlib.contextmanager
