@@ -17,6 +17,7 @@ from assistant.config import AssistantConfig
 from assistant.errors import AssistantError
 
 # Subsystems that add subcommands; a missing optional package just means no subcommand.
+EVAL_HELP = "evaluate retrieval and answers on your own QA files"
 SUBSYSTEM_CLIS = ("ingest.cli", "sandbox.cli", "assistant.evaluate", "assistant.conversations")
 
 
@@ -57,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
         if register is not None:
             register(sub, _common)
     return parser
+
+
+def command_group(subparsers: argparse._SubParsersAction, name: str, help: str) -> argparse._SubParsersAction:
+    """The sub-parsers of `assistant NAME`, creating the group if no subsystem has yet, so that
+    several subsystems can add actions to one group (e.g. `eval retrieval` and `eval answers`)."""
+    parser = subparsers.choices.get(name)
+    if parser is None:
+        parser = subparsers.add_parser(name, help=help)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    return parser.add_subparsers(dest=f"{name}_command", required=True, metavar="WHAT")
 
 
 def _subsystem_register(module_name: str) -> Callable | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from assistant.cli import EVAL_HELP, command_group
 from assistant.events import Done, Sources
 
 
@@ -118,7 +119,7 @@ def format_table(report: EvalReport) -> str:
 
 def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     """Add `eval answers` to the `eval` group (created here unless another module already did)."""
-    answers = eval_subparsers(subparsers).add_parser(
+    answers = command_group(subparsers, "eval", EVAL_HELP).add_parser(
         "answers", help="answer accuracy and citation precision over a JSONL file of questions",
         description=__doc__.split("\n\n", 1)[1])
     answers.add_argument("file", metavar="FILE.jsonl")
@@ -126,22 +127,6 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     answers.add_argument("--max-new-tokens", type=int, default=None, help="answer length limit per question")
     add_common(answers)
     answers.set_defaults(func=cmd_eval_answers)
-
-
-def eval_subparsers(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    try:  # the ingest package owns the group when it is present
-        from ingest.cli import eval_subparsers as shared
-    except ImportError:
-        shared = None
-    if shared is not None:
-        return shared(subparsers)
-    parser = subparsers.choices.get("eval")
-    if parser is None:
-        parser = subparsers.add_parser("eval", help="evaluate answers (and retrieval) on your own QA files")
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    return parser.add_subparsers(dest="eval_command", required=True, metavar="WHAT")
 
 
 def cmd_eval_answers(args: argparse.Namespace, config) -> int:

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from assistant.cli import EVAL_HELP, command_group
 from assistant.errors import AssistantError
 
 
@@ -45,13 +46,7 @@ def register(subparsers, add_common) -> None:
 
 def eval_subparsers(subparsers, add_common=None) -> argparse._SubParsersAction:
     """The `eval` group's sub-parsers, creating `assistant eval` if no module has yet."""
-    parser = subparsers.choices.get("eval")
-    if parser is None:
-        parser = subparsers.add_parser("eval", help="evaluate retrieval (and answers) on your own QA files")
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    return parser.add_subparsers(dest="eval_command", required=True, metavar="WHAT")
+    return command_group(subparsers, "eval", EVAL_HELP)
 
 
 def add_eval_command(eval_sub, add_common) -> None:
