@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -69,19 +70,22 @@ def main() -> None:
     args = parser.parse_args()
 
     from assistant.config import AssistantConfig
+    from assistant.engine.loading import load_model
     from assistant.engine.local import LocalEngine
 
     config = AssistantConfig.load(overrides={"engine.model": args.model, "engine.num_threads": args.threads,
                                              "data_dir": args.data_dir})
-    engine = LocalEngine.from_config(config)
+    # prefix cache off: the prompt repeats, and TTFT should compare prefill with prefill
+    engine = LocalEngine(load_model(config), replace(config.engine, prefix_cache=False))
+    hf_model = load_model(config).model  # the same checkpoint as plain transformers, fp32
     input_ids = __import__("torch").tensor([engine.encode(PROMPT)], device=engine.device)
     time_local(engine, 4)  # warm-up both paths
-    time_generate(engine.model, input_ids, 4)
+    time_generate(hf_model, input_ids, 4)
 
     local, hf = [], []
     for _ in range(args.repeats):
         local.append(time_local(engine, args.new_tokens))
-        hf.append(time_generate(engine.model, input_ids, args.new_tokens))
+        hf.append(time_generate(hf_model, input_ids, args.new_tokens))
     ttft = statistics.median(t for t, _ in local)
     tok_s = statistics.median(r for _, r in local)
     hf_ttft = statistics.median(t for t, _ in hf)
@@ -93,8 +97,9 @@ def main() -> None:
     print(f"{'LocalEngine':<18}{ttft:>10.3f}{tok_s:>15.2f}")
     print(f"{'HF generate()':<18}{hf_ttft:>10.3f}{hf_tok_s:>15.2f}")
     print(f"decode ratio {tok_s / hf_tok_s:.2f}x, TTFT ratio {hf_ttft / ttft:.2f}x (>1 = LocalEngine faster)")
+    engine.close()
     print(json.dumps({
-        "model": args.model, "threads": args.threads, "prompt_tokens": int(input_ids.shape[1]),
+        "model": args.model, "quantize": engine.quantize or "none", "threads": args.threads, "prompt_tokens": int(input_ids.shape[1]),
         "new_tokens": args.new_tokens, "decode_tok_s": round(tok_s, 3), "ttft_s": round(ttft, 4),
         "generate_decode_tok_s": round(hf_tok_s, 3), "generate_ttft_s": round(hf_ttft, 4),
         "decode_vs_generate": round(tok_s / hf_tok_s, 3), "ttft_vs_generate": round(hf_ttft / ttft, 3),
