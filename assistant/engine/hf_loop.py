@@ -32,7 +32,6 @@ from assistant.engine.base import (
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
 from assistant.engine.loading import ChatTemplateEncoding, LoadedModel, eos_token_ids, load_model
 from assistant.engine.sampling import sample
-from assistant.errors import EngineError
 
 
 def prefill(model: Any, input_ids: Any, cache: Any) -> Any:
@@ -71,15 +70,7 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
         tools: Sequence[dict] | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[TokenDelta]:
-        params.verify()
-        prompt_ids = self.encode(prompt, tools)
-        if not prompt_ids:
-            raise EngineError("The prompt is empty.")
-        if len(prompt_ids) >= self.context_window:
-            raise EngineError(
-                f"The prompt has {len(prompt_ids)} tokens but the model's context window is {self.context_window}: "
-                "shorten the conversation or the documents in it."
-            )
+        prompt_ids = self.checked_prompt_ids(prompt, params, tools)
         with self._lock:
             yield from self._generate_locked(prompt_ids, params, cancel)
 

@@ -149,6 +149,21 @@ class ChatTemplateEncoding:
     chat messages are rendered with the model's own chat template (tools included)."""
 
     tokenizer: Any
+    context_window: int
+
+    def checked_prompt_ids(self, prompt: Sequence[Any], params: Any, tools: Sequence[dict] | None) -> list[int]:
+        """Validate a request and encode its prompt, refusing one that leaves no room to answer."""
+        from assistant.errors import EngineError
+
+        params.verify()
+        prompt_ids = self.encode(prompt, tools)
+        if not prompt_ids:
+            raise EngineError("The prompt is empty.")
+        if len(prompt_ids) >= self.context_window:
+            raise EngineError(
+                f"The prompt has {len(prompt_ids)} tokens but the model's context window is {self.context_window}: "
+                "shorten the conversation or the documents in it.")
+        return prompt_ids
 
     def encode(self, prompt: Sequence[Any], tools: Sequence[dict] | None = None) -> list[int]:
         if prompt and isinstance(prompt[0], int):

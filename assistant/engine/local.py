@@ -108,15 +108,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
     # -- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, *, tools: Sequence[dict] | None = None,
                  cancel: threading.Event | None = None) -> Iterator[TokenDelta]:
-        params.verify()
-        prompt_ids = self.encode(prompt, tools)
-        if not prompt_ids:
-            raise EngineError("The prompt is empty.")
-        if len(prompt_ids) >= self.context_window:
-            raise EngineError(
-                f"The prompt has {len(prompt_ids)} tokens but the model's context window is {self.context_window}: "
-                "shorten the conversation or the documents in it.")
-        request = self.submit(prompt_ids, params, cancel)
+        request = self.submit(self.checked_prompt_ids(prompt, params, tools), params, cancel)
         return self._stream(request)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event | None = None) -> Request:
