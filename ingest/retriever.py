@@ -7,10 +7,20 @@
 
 Search is hybrid by default: the query's dense embedding and its BM25 sparse vector are sent together
 and fused by RRF inside Qdrant; only chunks of committed, fully written documents are visible.
+
+Exact identifiers first. RRF counts ranks only: when a query names an identifier ("XK-4471Q",
+"E1234", "max_num_seqs"), BM25 ranks its one chunk first by a wide score margin, but dense search ranks
+look-alike codes first and RRF may then put a look-alike on top (seen with the real embedder, decided
+by float rounding). Score-based fusion (DBSF) fixes that case but loses natural questions whose BM25
+scores are bunched. So fusion stays RRF, and for queries with identifiers the fused list is fetched
+`candidates` deep and the chunks that contain one of those identifiers verbatim (case-insensitive,
+whole token) move to the front, in fused order. Fusion still happens in Qdrant; this is a stable
+partition of at most `candidates` hits.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +29,17 @@ from ingest.index import VectorIndex
 from ingest.pipeline import find_document, list_documents
 
 FILTER_FIELDS = ("doc_id", "path", "file_name", "page")
+# a token with a letter and a digit (XK-4471Q, E1234, v2.3.1, sha256) or a snake_case name
+IDENTIFIER = re.compile(r"(?<![\w.-])(?:(?=[\w.-]*\d)(?=[\w.-]*[^\W\d_])[^\W_][\w.-]*[^\W_]|[^\W\d_]\w*_\w+)(?![\w-])")
+
+
+def query_identifiers(query: str) -> list[str]:
+    """Identifier-like tokens of a query, in order, without a trailing sentence dot."""
+    return list(dict.fromkeys(m.group(0).rstrip(".") for m in IDENTIFIER.finditer(query)))
+
+
+def contains_identifier(text: str, identifiers: list[str]) -> bool:
+    return any(re.search(rf"(?<![\w-]){re.escape(ident)}(?![\w-])", text, re.IGNORECASE) for ident in identifiers)
 
 
 @dataclass(frozen=True)
@@ -88,9 +109,14 @@ class Retriever:
             if mode == "sparse":
                 return []
             sparse, mode = None, "dense"  # only stopwords: nothing for BM25 to match
-        found = self.index.query(dense=dense, sparse=sparse, limit=k, where=where, mode=mode,
-                                 candidates=max(self.candidates, k))
-        return [hit_from_payload(p.id, p.score, p.payload) for p in found]
+        identifiers = query_identifiers(query) if mode == "hybrid" else []
+        found = self.index.query(dense=dense, sparse=sparse, limit=max(k, self.candidates) if identifiers else k,
+                                 where=where, mode=mode, candidates=max(self.candidates, k))
+        hits = [hit_from_payload(p.id, p.score, p.payload) for p in found]
+        if identifiers:  # exact identifiers first (module docstring), then the fused order
+            exact = [contains_identifier(h.text, identifiers) for h in hits]
+            hits = [h for h, e in zip(hits, exact) if e] + [h for h, e in zip(hits, exact) if not e]
+        return hits[:k]
 
     def read(self, doc: str, pages: list[int] | None = None) -> list[PageText]:
         """Whole pages of a document (all of them when `pages` is None), in page order.

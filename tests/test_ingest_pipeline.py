@@ -147,6 +147,42 @@ class IdentifierBlindEmbedder(HashEmbedder):
         return super().embed([re.sub(r"\S*\d\S*", " ", t) for t in texts])
 
 
+class LookAlikeEmbedder(HashEmbedder):
+    """A dense model that confuses codes: every query lands exactly on the look-alike's chunk."""
+
+    LOOK_ALIKE = "Fault XK-4417Q: the fan bearing is worn; replace the fan."
+
+    def embed_query(self, text):
+        return super().embed([self.LOOK_ALIKE])[0]
+
+
+def test_exact_identifier_beats_a_dense_look_alike(tmp_path):
+    ing = open_ingester(tmp_path, LookAlikeEmbedder())
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a-lookalike.txt").write_text(LookAlikeEmbedder.LOOK_ALIKE)
+    for i, code in enumerate(["XK-4711Q", "XK-1447Q", "XK-4470Q", "XK-7441Q"]):
+        (docs / f"b-other{i}.txt").write_text(f"Fault {code}: the fan bearing is worn on unit {i}; replace the fan.")
+    (docs / "c-target.txt").write_text("Fault XK-4471Q: the impeller is blocked by debris; clear it before restarting.")
+    for r in ing.ingest(sorted(docs.iterdir())):
+        assert r.status == "added"
+    retriever = Retriever(ing.index, ing.embedder)
+    query = "fault XK-4471Q"
+    assert retriever.search(query, k=1, mode="dense")[0].file_name == "a-lookalike.txt"
+    assert retriever.search(query, k=1, mode="sparse")[0].file_name == "c-target.txt"
+    # plain RRF (what Qdrant returns) puts the look-alike first: dense rank 1 + a shared "fault xk" sparse rank
+    fused = ing.index.query(dense=ing.embedder.embed_query(query), sparse=retriever.sparse.encode_query(query),
+                            limit=3, where={"kind": "chunk"}, mode="hybrid")
+    assert fused[0].payload["path"].endswith("a-lookalike.txt")
+    hybrid = retriever.search(query, k=3)
+    assert [h.file_name for h in hybrid][:2] == ["c-target.txt", "a-lookalike.txt"]
+    # a near-miss spelling is not an exact match: the fused order stands
+    near = "fault XK-4471"
+    fused_near = ing.index.query(dense=ing.embedder.embed_query(near), sparse=retriever.sparse.encode_query(near),
+                                 limit=3, where={"kind": "chunk"}, mode="hybrid")
+    assert [h.chunk_id for h in retriever.search(near, k=3)] == [p.id for p in fused_near]
+
+
 def test_hybrid_finds_rare_identifier_that_dense_misses(tmp_path):
     ing = open_ingester(tmp_path, IdentifierBlindEmbedder())
     docs = tmp_path / "docs"
