@@ -185,3 +185,32 @@ def test_kv_exhaustion_preempts_and_everyone_finishes(tiny_config):
     assert together == alone  # preempted requests were recomputed, not corrupted
     assert small.blocks.num_free_blocks == 32
     small.close()
+
+
+# fp32 agrees to ~4e-7 here (a RoPE sign error gives 5e-3); int8 to ~1e-2 (a gross kernel or scale error
+# is far above 5e-2)
+@pytest.mark.parametrize("quantize,tolerance", [("none", 1e-5), ("int8", 5e-2)])
+def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, tolerance):
+    """The hand-written ragged forward (model.py) against HF's own forward on the same weights: one
+    sequence prefilled in two chunks, then one decode step, through the paged KV cache."""
+    import torch
+
+    from assistant.engine.kv_cache import KVCache
+    from assistant.engine.loading import load_model
+    from assistant.engine.model import SeqBatch, Transformer
+
+    hf = load_model(tiny_config).model
+    lean = Transformer.from_hf(hf, quantize=None if quantize == "none" else quantize)
+    a = lean.args
+    kv = KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
+    ids = torch.randint(0, a.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = hf(ids).logits[0]  # (11, V)
+        slots = torch.tensor([5, 6, 7, 4] + list(range(8, 20)))[:11]  # scattered slots, as after reuse
+        got = []
+        for start, end in ((0, 6), (6, 10), (10, 11)):  # two prefill chunks, then a decode step
+            seq = SeqBatch(0, end - start, end, slots[:end], prompt_len=10)
+            got.append(lean.forward(ids[0, start:end], torch.arange(start, end), [seq], kv)[0])
+    for logits, pos in zip(got, (5, 9, 10)):
+        scale = want[pos].abs().max()
+        assert (logits - want[pos]).abs().max() / scale < tolerance, pos
