@@ -183,18 +183,34 @@ def prefix_ttft(engine, words: int) -> tuple[float, float]:
 
 
 def int8_agreement(fp32: LocalEngine, int8: LocalEngine, num_tokens: int) -> tuple[float, int]:
-    """Teacher-forced next-token top-1 agreement on fp32's greedy continuations, and exact greedy matches."""
+    """Next-token top-1 agreement with fp32 along fp32's own greedy continuations, and exact greedy matches.
+
+    Teacher-forced through *decode* steps (the prompt is prefilled, then fp32's tokens are fed one per
+    step as generated tokens), so it measures the kernels that generate answers, not only the prefill
+    ones. Runs the int8 model directly with its own KV cache, beside the engine thread."""
+    from assistant.engine.kv_cache import KVCache
+    from assistant.engine.model import SeqBatch
+
     agree = total = exact = 0
     params = SamplingParams(max_tokens=num_tokens)
+    model, a = int8.model, int8.model.args
     for q in QUESTIONS:
         ref = [t for d in fp32.generate(chat(q), params) for t in d.token_ids]
         got = [t for d in int8.generate(chat(q), params) for t in d.token_ids]
         exact += ref == got
-        prompt = fp32.encode(chat(q))
-        for i in range(len(ref)):  # int8's prediction given fp32's history
-            pred = next(iter(int8.generate(prompt + ref[:i], SamplingParams(max_tokens=1)))).token_ids[0]
-            agree += pred == ref[i]
-            total += 1
+        ids = fp32.encode(chat(q)) + ref
+        prompt_len = len(ids) - len(ref)
+        kv = KVCache(a.num_layers, len(ids) // 16 + 1, 16, a.num_kv_heads, a.head_dim, model.dtype, int8.device)
+        slots = torch.arange(len(ids))
+        with torch.inference_mode():
+            logits = model.forward(torch.tensor(ids[:prompt_len]), torch.arange(prompt_len),
+                                   [SeqBatch(0, prompt_len, prompt_len, slots[:prompt_len], prompt_len)], kv)
+            for i in range(len(ref)):
+                agree += int(logits[0].argmax()) == ref[i]
+                total += 1
+                pos = prompt_len + i
+                logits = model.forward(torch.tensor([ids[pos]]), torch.tensor([pos]),
+                                       [SeqBatch(0, 1, pos + 1, slots[:pos + 1], prompt_len)], kv)
     return agree / total, exact
 
 

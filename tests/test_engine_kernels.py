@@ -46,28 +46,50 @@ def test_both_kernels_give_bit_identical_rows(layer):
     _, _, int8 = layer
     x = torch.randn(3 * FBGEMM_MAX_ROWS, 256) * 4
     x[0] = x[0].abs()  # all-positive activations: the int16-saturation worst case
-    big = int8(x)  # _int_mm
+    big = int8._int8(x, None)  # _int_mm
     for i in range(0, x.size(0), FBGEMM_MAX_ROWS):
-        assert torch.equal(int8(x[i:i + FBGEMM_MAX_ROWS].clone()), big[i:i + FBGEMM_MAX_ROWS])  # fbgemm
+        assert torch.equal(int8._int8(x[i:i + FBGEMM_MAX_ROWS].clone(), None), big[i:i + FBGEMM_MAX_ROWS])  # fbgemm
 
 
-def test_decode_rows_match_exact_integer_arithmetic(layer):
+def test_one_pass_rows_match_exact_integer_arithmetic(layer):
     weight, bias, int8 = layer
     x = torch.randn(5, 256) * 3
-    got = int8(x).double()
+    got = int8._int8(x, None).double() + bias.double()
     want = _reference(x, weight, bias, int8)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
     fp32 = x @ weight.t() + bias  # and int8 stays close to the unquantized product
     assert ((int8(x) - fp32).abs().max() / fp32.abs().max()).item() < 0.03
 
 
+def test_residual_pass_brings_generated_rows_close_to_unquantized_activations(layer):
+    weight, bias, int8 = layer
+    x = torch.randn(4, 256)
+    x[:, 7] *= 200  # an outlier channel, as LLM activations have: one pass loses the small channels
+    w8 = int8.weight.float() * (weight.abs().amax(dim=1, keepdim=True) / 127.0)  # the int8 weights, dequantized
+    weight_only = x @ w8.t() + bias  # what int8 weights with exact activations give
+    one_pass = int8._int8(x, None) + bias
+    two_pass = int8(x)  # no RowSplit: every row is refined, like lm_head rows and generated tokens
+    err = lambda y: ((y - weight_only).abs().max() / weight_only.abs().max()).item()  # noqa: E731
+    assert err(two_pass) < 1e-3 < err(one_pass)
+    assert err(two_pass) * 50 < err(one_pass)
+
+
 def test_decode_row_is_bitwise_the_same_alone_or_batched(layer):
     _, _, int8 = layer
     x = torch.randn(8, 256)
     x[3] *= 50  # a row with a very different range must not change the others' scales
-    batched = int8(x)
+    batched = int8(x)  # 16 rows with the residual pass: _int_mm
     for i in range(8):
-        assert torch.equal(int8(x[i:i + 1].clone())[0], batched[i])
+        assert torch.equal(int8(x[i:i + 1].clone())[0], batched[i])  # 2 rows: fbgemm
+
+
+def test_mixed_step_refines_only_generated_rows(layer):
+    _, _, int8 = layer
+    x = torch.randn(6, 256)
+    rows = RowSplit.from_mask(torch.tensor([True, True, True, False, False, True]))
+    mixed = int8(x, rows)
+    assert torch.equal(mixed[rows.prompt], int8(x[rows.prompt], RowSplit.from_mask(torch.ones(4, dtype=torch.bool))))
+    assert torch.equal(mixed[rows.decode], int8(x[rows.decode]))
 
 
 def test_mixed_step_without_fbgemm_computes_prompt_and_decode_rows_with_their_own_kernels(layer):
