@@ -132,10 +132,3 @@ def test_rope_with_signed_sin_equals_rotate_half():
     rotate_half = torch.cat([-x[..., 4:], x[..., :4]], dim=-1)
     signed = sin * torch.cat([-torch.ones(4), torch.ones(4)])
     assert torch.allclose(apply_rope(x, cos, signed), x * cos + rotate_half * sin, atol=1e-6)
-
-
-def test_linears_without_the_residual_pass_use_one_pass_for_every_row(layer):
-    weight, bias, _ = layer
-    plain = Linear(weight, bias, "int8", torch.float32, refine=False)
-    x = torch.randn(3, 256)
-    assert torch.equal(plain(x), plain._int8(x, None) + bias)

@@ -19,16 +19,15 @@ the weight's channel scale, then by the row's scale. Two kernels compute exactly
     `torch._int_mm`; the MLP matrices 0.2-0.4 ms against 0.5-0.9 ms.
   * more rows (prefill) are compute-bound: `torch._int_mm` (oneDNN, VNNI) ran 2-2.5x faster than
     fbgemm at 16-256 rows, so the int8 weights are kept a second time in its layout.
-Generated tokens get a second pass in the attention (qkv, o) and down projections: their quantization
-residual (x - scale * q, at most half a step) is quantized at 1/254 of the step and goes into the
-same GEMM as an extra row, so those activations keep ~15 bits while the weights are read once.
-Measured against fp32 on the bench's 8 prompts, 48 tokens each, teacher-forced through decode steps
-(next-token top-1 agreement, greedy answers identical): one pass 0.954 (1/8); the residual pass
-everywhere 0.980 (4/8); on qkv+o+down only 0.977 (4/8); bf16 activations with `_weight_int8pack_mm`
-0.974 (4/8). A 2-row fbgemm GEMV streams cold weights ~15-20% slower than a 1-row one (a whole
-decode step with the pass everywhere: 54 vs 45 ms), so the pass skips the two largest matrices,
-gate_up and lm_head (70% of the bytes), where it bought the least. Prompt tokens keep one pass:
-prefill is compute-bound, and only a prompt's last token is ever sampled.
+Generated tokens get a second pass: their quantization residual (x - scale * q, at most half a
+step) is quantized at 1/254 of the step and goes into the same GEMM as extra rows, so a decode GEMV
+multiplies 2 rows by weights it reads once (fbgemm: +3-10% per call for the second row) and the
+activations keep ~15 bits. Measured against
+fp32 on the bench's 8 prompts, 48 tokens each, teacher-forced through decode steps: next-token top-1
+agreement 0.954 with one pass (1/8 greedy answers identical), 0.980 with the residual pass (4/8),
+0.974 (4/8) for bf16 activations with `_weight_int8pack_mm`. The residual pass costs ~7-15% of a
+decode step (its extra small ops), which buys back the quality. Prompt tokens keep one pass: prefill
+is compute-bound, and the prompt's own logits are not sampled except at its last token.
 fbgemm's own dynamic-quant linear is as fast, but it quantizes the whole batch with one scale, which
 would make a request's output depend on what it is batched with. So rows are quantized here, one
 scale each, and handed to fbgemm as integral floats with scale 1 and zero point 128, which its own
@@ -96,11 +95,9 @@ FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the
 class Linear:
     """y = x @ W.T + b, with W kept as fp32/bf16 or as per-channel int8 + scales."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype,
-                 *, refine: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype):
         self.bias = None if bias is None else bias.to(dtype)
         self.int8 = quantize == "int8"
-        self.refine = refine  # int8 with fbgemm: generated tokens get the residual pass (module docstring)
         self.packed = None
         if self.int8:
             w = weight.float()
@@ -114,9 +111,8 @@ class Linear:
     def __call__(self, x: torch.Tensor, rows: "RowSplit | None" = None) -> torch.Tensor:  # (T, K) -> (T, N)
         if not self.int8:
             return F.linear(x, self.weight, self.bias)
-        if self.packed is not None:  # generated tokens get the residual pass where it is enabled
-            refine = slice(None) if rows is None or rows.prompt is None else rows.decode
-            y = self._int8(x, refine if self.refine else None)
+        if self.packed is not None:  # generated tokens (and every lm_head row) get the residual pass
+            y = self._int8(x, slice(None) if rows is None or rows.prompt is None else rows.decode)
         elif rows is None or rows.prompt is None:
             y = self._weight_only(x)
         elif rows.decode is None:
@@ -251,7 +247,7 @@ class Transformer:
         opt = lambda name: state[name].to(device) if name in state else None  # noqa: E731
         self.embed = get("model.embed_tokens.weight").to(dtype)  # (V, D)
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-        self.lm_head = Linear(head.to(device), None, quantize, dtype, refine=False)
+        self.lm_head = Linear(head.to(device), None, quantize, dtype)
         self.norm = get("model.norm.weight").to(dtype)
         self.layers = []
         for i in range(args.num_layers):
@@ -265,7 +261,7 @@ class Transformer:
                 "qkv": Linear(qkv_w, qkv_b, quantize, dtype),
                 "o": Linear(get(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias"), quantize, dtype),
                 "mlp_norm": get(p + "post_attention_layernorm.weight").to(dtype),
-                "gate_up": Linear(gate_up, None, quantize, dtype, refine=False),
+                "gate_up": Linear(gate_up, None, quantize, dtype),
                 "down": Linear(get(p + "mlp.down_proj.weight"), None, quantize, dtype),
             })
         self.cos, self.sin = rope_tables(args, min(args.max_position, 32768), device)
