@@ -20,14 +20,15 @@ the weight's channel scale, then by the row's scale. Two kernels compute exactly
   * more rows (prefill) are compute-bound: `torch._int_mm` (oneDNN, VNNI) ran 2-2.5x faster than
     fbgemm at 16-256 rows, so the int8 weights are kept a second time in its layout.
 Generated tokens get a second pass: their quantization residual (x - scale * q, at most half a
-step) is quantized at 1/254 of the step and goes into the same GEMM as extra rows, so a decode GEMV
-multiplies 2 rows by weights it reads once (fbgemm: +3-10% per call for the second row) and the
-activations keep ~15 bits. Measured against
-fp32 on the bench's 8 prompts, 48 tokens each, teacher-forced through decode steps: next-token top-1
-agreement 0.954 with one pass (1/8 greedy answers identical), 0.980 with the residual pass (4/8),
-0.974 (4/8) for bf16 activations with `_weight_int8pack_mm`. The residual pass costs ~7-15% of a
-decode step (its extra small ops), which buys back the quality. Prompt tokens keep one pass: prefill
-is compute-bound, and the prompt's own logits are not sampled except at its last token.
+step) is quantized at 1/254 of the step and goes into the same GEMM as an extra row, so the
+activations keep ~15 bits while the weights are read once. Measured against fp32 on the bench's 8
+prompts, 48 tokens each, teacher-forced through decode steps (next-token top-1 agreement, greedy
+answers identical): one pass 0.954 (1/8); with the residual pass 0.980 (4/8); bf16 activations with
+`_weight_int8pack_mm` 0.974 (4/8). With the pass on qkv/o/down only (or with lm_head too),
+`assistant chat` answered "What is 2+2?" with "6"; with it everywhere, "4", as the weight-only
+kernel did. The price: a 2-row fbgemm GEMV streams cold weights ~15-20% slower than a 1-row one (a
+decode step 54-61 vs 45-49 ms here). Prompt tokens keep one pass: prefill is compute-bound, and only a prompt's last token is
+sampled (its lm_head row gets the pass).
 fbgemm's own dynamic-quant linear is as fast, but it quantizes the whole batch with one scale, which
 would make a request's output depend on what it is batched with. So rows are quantized here, one
 scale each, and handed to fbgemm as integral floats with scale 1 and zero point 128, which its own
