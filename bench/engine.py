@@ -11,7 +11,8 @@ Figures (each a ratio measured in this run; absolute times swing 2-3x on a share
                                over its batch-1 median                              (goal <= 2.5)
   prefix_ttft_ratio            TTFT with a 512-token prefix cached / cold            (goal <= 0.10)
   prefix_miss_overhead         time with prefix cache on at 0% hits / off, minus 1   (goal <= 0.02)
-  int8_top1_agreement          next-token top-1 agreement of int8 vs fp32 on fixed prompts (quality)
+  int8_top1_agreement          next-token top-1 agreement of int8 vs fp32 along fp32's greedy answers, fed
+                               through decode steps (quality; and how many greedy answers are identical)
 
   python bench/engine.py [--threads 2] [--quick] [--build-llamacpp]
 

@@ -50,7 +50,8 @@ class Hit:
     page: int  # 1-based page number (1 for formats without pages)
     heading: str  # nearest heading above the chunk ("" if none)
     text: str  # the chunk text
-    score: float  # RRF score for hybrid search, cosine / BM25 score for single-mode search
+    score: float  # RRF score for hybrid search (exact-identifier hits come first, so not always descending),
+    # cosine / BM25 score for single-mode search
     start_char: int  # offsets of `text` within the page text
     end_char: int
 
