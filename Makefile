@@ -8,8 +8,9 @@ STAMP     := $(VENV)/.installed
 DATA_DIR  ?= ./data
 EXTRAS    := engine,ui,ingest,sandbox,postgres,test
 # Debian packages the product and its tests use (installed only when running as root and missing):
-# Tesseract for OCR, PostgreSQL server binaries for the store test on a real (throwaway) server.
-APT_PACKAGES := tesseract-ocr tesseract-ocr-eng postgresql
+# Tesseract for OCR, PostgreSQL server binaries for the store test on a real (throwaway) server,
+# g++ and Python headers for the engine's int8 decode kernel (built once into ~/.cache/assistant/native).
+APT_PACKAGES := tesseract-ocr tesseract-ocr-eng postgresql g++ python3-dev
 SHELL     := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 QUIET     := { grep -v '^WARNING: Location' || true; }
@@ -17,7 +18,7 @@ export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export GRADIO_ANALYTICS_ENABLED=False
 
-.PHONY: run test setup venv system models models-large sandbox bench clean
+.PHONY: run test setup venv system kernels models models-large sandbox bench clean
 
 run: setup
 	$(BIN)/assistant serve --data-dir $(DATA_DIR)
@@ -25,7 +26,7 @@ run: setup
 test: setup
 	ASSISTANT_MODELS_DIR=$(abspath $(DATA_DIR))/models $(BIN)/python -m pytest
 
-setup: venv system models sandbox
+setup: venv system kernels models sandbox
 
 venv: $(STAMP)
 
@@ -44,6 +45,10 @@ system:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	  else echo "Missing system packages:$$missing - run: sudo apt-get install$$missing"; fi; \
 	fi
+
+# The engine's int8 decode kernel; without a compiler or AVX-512 VNNI it says why and the engine uses PyTorch ops.
+kernels: venv system
+	$(BIN)/python -c "from assistant.engine import native; native.int8_kernels()"
 
 models: venv
 	$(BIN)/assistant models prepare --data-dir $(DATA_DIR)

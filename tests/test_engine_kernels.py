@@ -1,6 +1,8 @@
 """The lean model's building blocks on random tensors: int8 linears and rotary embeddings.
 
-What batching relies on is checked bit for bit: a decode row's output is the same alone or batched.
+Every int8 test runs on both decode backends: the fused native kernel (native.py) and the
+PyTorch-op path (fbgemm) that machines without it use. What batching relies on is checked bit for
+bit: a row's output is the same alone or batched, through the small-step kernel or torch._int_mm.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from assistant.engine import model as model_module  # noqa: E402
+from assistant.engine import native  # noqa: E402
 from assistant.engine.model import (  # noqa: E402
     FBGEMM_MAX_ROWS,
     Linear,
@@ -17,13 +21,46 @@ from assistant.engine.model import (  # noqa: E402
     fbgemm_matches_int_mm,
     fbgemm_pack,
 )
+from tests.conftest import need  # noqa: E402
+
+BACKENDS = ("native", "fbgemm")
+
+
+def make_linear(weight, bias, backend: str, monkeypatch) -> Linear:
+    if backend == "native":
+        need(native.unavailable_reason() is not None or native.int8_kernels() is not None,
+             "the native int8 kernel (build failed)", "install g++ and ninja (make test does)")
+        if native.unavailable_reason() is not None:
+            pytest.skip(f"native kernel: {native.unavailable_reason()}")
+    else:
+        monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
+        if not fbgemm_matches_int_mm():
+            pytest.skip("fbgemm is not exact on this CPU")
+    lin = Linear(weight, bias, "int8", torch.float32)
+    assert (lin.native is not None) == (backend == "native") and (lin.packed is not None) == (backend == "fbgemm")
+    return lin
 
 
 @pytest.fixture(scope="module")
-def layer():
+def weights():
     torch.manual_seed(0)
-    weight, bias = torch.randn(300, 256) * 0.05, torch.randn(300) * 0.1
-    return weight, bias, Linear(weight, bias, "int8", torch.float32)
+    return torch.randn(300, 256) * 0.05, torch.randn(300) * 0.1  # 300 outputs: not a multiple of 64
+
+
+@pytest.fixture(params=BACKENDS)
+def layer(request, weights, monkeypatch):
+    weight, bias = weights
+    return weight, bias, make_linear(weight, bias, request.param, monkeypatch)
+
+
+def small_step_rows(int8: Linear) -> int:
+    """GEMM rows the small-step kernel takes (a refined row counts twice)."""
+    return int8.native.MAX_ROWS if int8.native is not None else FBGEMM_MAX_ROWS
+
+
+def one_pass(int8: Linear, x):
+    """Prompt rows: one activation pass."""
+    return int8(x, RowSplit.from_mask(torch.ones(x.size(0), dtype=torch.bool)))
 
 
 def _reference(x, weight, bias, int8: Linear):
@@ -34,27 +71,37 @@ def _reference(x, weight, bias, int8: Linear):
     return (xq @ int8.weight.double().t()) * x_scale.double() * w_scale + bias.double()
 
 
-def test_fbgemm_is_used_where_it_is_exact(layer):
-    _, _, int8 = layer
+def test_native_kernel_is_used_where_the_cpu_has_vnni():
+    if native.unavailable_reason() is None:
+        need(native.int8_kernels() is not None, "the native int8 kernel (build failed)", "install g++ and ninja")
+        assert Linear(torch.randn(64, 32), None, "int8", torch.float32).native is not None
+
+
+def test_fbgemm_is_used_where_it_is_exact_and_the_native_kernel_is_not(monkeypatch):
+    monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
+    int8 = Linear(torch.randn(64, 32), None, "int8", torch.float32)
     assert (int8.packed is not None) == fbgemm_matches_int_mm()
     if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX"):  # x86 with AVX-512 (VNNI here)
         assert int8.packed is not None
 
 
-def test_both_kernels_give_bit_identical_rows(layer):
-    """Prefill-sized steps run torch._int_mm, small steps fbgemm: a row must not notice which."""
+@pytest.mark.parametrize("passes", ["one", "two"])
+def test_small_step_kernel_and_int_mm_give_bit_identical_rows(layer, passes):
+    """Prefill-sized steps run torch._int_mm, small steps the GEMV kernel: a row must not notice which."""
     _, _, int8 = layer
-    x = torch.randn(3 * FBGEMM_MAX_ROWS, 256) * 4
-    x[0] = x[0].abs()  # all-positive activations: the int16-saturation worst case
-    big = int8._int8(x, None)  # _int_mm
-    for i in range(0, x.size(0), FBGEMM_MAX_ROWS):
-        assert torch.equal(int8._int8(x[i:i + FBGEMM_MAX_ROWS].clone(), None), big[i:i + FBGEMM_MAX_ROWS])  # fbgemm
+    run = one_pass if passes == "one" else (lambda lin, x: lin(x))
+    chunk = small_step_rows(int8) // (1 if passes == "one" else 2)
+    x = torch.randn(3 * chunk, 256) * 4
+    x[0] = x[0].abs()  # all-positive activations: the int16-saturation worst case for fbgemm
+    big = run(int8, x)  # _int_mm
+    for i in range(0, x.size(0), chunk):
+        assert torch.equal(run(int8, x[i:i + chunk].clone()), big[i:i + chunk])
 
 
 def test_one_pass_rows_match_exact_integer_arithmetic(layer):
     weight, bias, int8 = layer
     x = torch.randn(5, 256) * 3
-    got = int8._int8(x, None).double() + bias.double()
+    got = one_pass(int8, x).double()
     want = _reference(x, weight, bias, int8)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
     fp32 = x @ weight.t() + bias  # and int8 stays close to the unquantized product
@@ -67,11 +114,10 @@ def test_residual_pass_brings_generated_rows_close_to_unquantized_activations(la
     x[:, 7] *= 200  # an outlier channel, as LLM activations have: one pass loses the small channels
     w8 = int8.weight.float() * (weight.abs().amax(dim=1, keepdim=True) / 127.0)  # the int8 weights, dequantized
     weight_only = x @ w8.t() + bias  # what int8 weights with exact activations give
-    one_pass = int8._int8(x, None) + bias
     two_pass = int8(x)  # no RowSplit: every row is refined, like lm_head rows and generated tokens
     err = lambda y: ((y - weight_only).abs().max() / weight_only.abs().max()).item()  # noqa: E731
-    assert err(two_pass) < 1e-3 < err(one_pass)
-    assert err(two_pass) * 50 < err(one_pass)
+    assert err(two_pass) < 1e-3 < err(one_pass(int8, x))
+    assert err(two_pass) * 50 < err(one_pass(int8, x))
 
 
 def test_decode_row_is_bitwise_the_same_alone_or_batched(layer):
@@ -80,7 +126,7 @@ def test_decode_row_is_bitwise_the_same_alone_or_batched(layer):
     x[3] *= 50  # a row with a very different range must not change the others' scales
     batched = int8(x)  # 16 rows with the residual pass: _int_mm
     for i in range(8):
-        assert torch.equal(int8(x[i:i + 1].clone())[0], batched[i])  # 2 rows: fbgemm
+        assert torch.equal(int8(x[i:i + 1].clone())[0], batched[i])  # 2 rows: the small-step kernel
 
 
 def test_mixed_step_refines_only_generated_rows(layer):
@@ -88,24 +134,35 @@ def test_mixed_step_refines_only_generated_rows(layer):
     x = torch.randn(6, 256)
     rows = RowSplit.from_mask(torch.tensor([True, True, True, False, False, True]))
     mixed = int8(x, rows)
-    assert torch.equal(mixed[rows.prompt], int8(x[rows.prompt], RowSplit.from_mask(torch.ones(4, dtype=torch.bool))))
+    assert torch.equal(mixed[rows.prompt], one_pass(int8, x[rows.prompt]))
     assert torch.equal(mixed[rows.decode], int8(x[rows.decode]))
 
 
-def test_mixed_step_without_fbgemm_computes_prompt_and_decode_rows_with_their_own_kernels(layer):
-    weight, bias, _ = layer
+def test_native_kernel_pads_odd_shapes(monkeypatch):
+    torch.manual_seed(3)
+    weight, bias = torch.randn(70, 30), torch.randn(70)  # neither a multiple of 64 outputs nor of 4 inputs
+    int8 = make_linear(weight, bias, "native", monkeypatch)
+    x = torch.randn(3, 30)
+    assert torch.equal(int8(x), torch.cat([int8(x[i:i + 1]) for i in range(3)]))
+    want = _reference(x, weight, bias, int8)
+    assert ((one_pass(int8, x).double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_mixed_step_without_fbgemm_computes_prompt_and_decode_rows_with_their_own_kernels(weights, monkeypatch):
+    weight, bias = weights
+    monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
     int8 = Linear(weight, bias, "int8", torch.float32)
     int8.packed = None  # what a build without fbgemm gets: weight-only kernel for generated tokens
     x = torch.randn(6, 256)
     rows = RowSplit.from_mask(torch.tensor([True, True, True, False, False, True]))
     mixed = int8(x, rows)
-    prompt_only = int8(x[rows.prompt], RowSplit.from_mask(torch.ones(4, dtype=torch.bool)))
-    assert torch.equal(mixed[rows.prompt], prompt_only)
+    assert torch.equal(mixed[rows.prompt], one_pass(int8, x[rows.prompt]))
     assert torch.equal(mixed[rows.decode], int8(x[rows.decode]))
 
 
-def test_fallback_kernel_without_fbgemm(layer):
+def test_fallback_kernel_without_fbgemm(layer, monkeypatch):
     weight, bias, int8 = layer
+    monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
     fallback = Linear(weight, bias, "int8", torch.float32)
     fallback.packed = None  # what a build without fbgemm gets
     x = torch.randn(2, 256)

@@ -49,6 +49,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from assistant.engine.native import int8_kernels
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
@@ -99,12 +101,17 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype):
         self.bias = None if bias is None else bias.to(dtype)
         self.int8 = quantize == "int8"
-        self.packed = None
+        self.packed = self.native = None
         if self.int8:
             w = weight.float()
             self.scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,) fp32
             self.weight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # (N, K)
-            if self.weight.device.type == "cpu" and fbgemm_matches_int_mm():
+            on_cpu = self.weight.device.type == "cpu"
+            if on_cpu and dtype == torch.float32 and (ext := int8_kernels()) is not None:
+                self.native = ext  # the fused kernel (native.py); the int8 weights above serve prefill
+                self.vnni, self.comp = ext.pack(self.weight)
+                self.bias = None if bias is None else self.bias.float().contiguous()
+            elif on_cpu and fbgemm_matches_int_mm():
                 self.packed = fbgemm_pack(self.weight, self.scale)
         else:
             self.weight = weight.to(dtype).contiguous()
@@ -112,6 +119,8 @@ class Linear:
     def __call__(self, x: torch.Tensor, rows: "RowSplit | None" = None) -> torch.Tensor:  # (T, K) -> (T, N)
         if not self.int8:
             return F.linear(x, self.weight, self.bias)
+        if self.native is not None:
+            return self._native(x, rows)
         if self.packed is not None:  # generated tokens (and every lm_head row) get the residual pass
             y = self._int8(x, slice(None) if rows is None or rows.prompt is None else rows.decode)
         elif rows is None or rows.prompt is None:
@@ -152,6 +161,15 @@ class Linear:
         else:
             y = acc[:n].index_add_(0, refine, acc[n:], alpha=1 / 254.0)
         return y.mul_(x_scale).to(x.dtype)  # then each row's own scale
+
+    def _native(self, x: torch.Tensor, rows: "RowSplit | None") -> torch.Tensor:
+        """The fused kernel for up to its MAX_ROWS GEMM rows, else torch._int_mm between the kernel's own
+        quantization and epilogue: the same arithmetic, so the same row either way."""
+        refine, refined = (rows.refine, rows.num_refined) if rows is not None else (all_rows(x.size(0)), x.size(0))
+        if x.size(0) + refined <= self.native.MAX_ROWS:
+            return self.native.linear(x, self.vnni, self.comp, self.scale, self.bias, refine)
+        xq, x_scale = self.native.quantize(x, refine)
+        return self.native.finish(torch._int_mm(xq, self.weight.t()), self.scale, x_scale, refine, self.bias)
 
     def _weight_only(self, x: torch.Tensor) -> torch.Tensor:  # the fallback decode kernel without fbgemm
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale.to(torch.bfloat16)).to(x.dtype)
@@ -202,12 +220,20 @@ class RowSplit:
 
     prompt: torch.Tensor | None  # (P,) row indices
     decode: torch.Tensor | None  # (T - P,) row indices
+    refine: torch.Tensor  # (T,) bool: the rows that get the residual pass (generated tokens)
+    num_refined: int
 
     @classmethod
     def from_mask(cls, is_prompt: torch.Tensor) -> "RowSplit":
         prompt = is_prompt.nonzero().squeeze(1)
         decode = (~is_prompt).nonzero().squeeze(1)
-        return cls(prompt if prompt.numel() else None, decode if decode.numel() else None)
+        return cls(prompt if prompt.numel() else None, decode if decode.numel() else None, ~is_prompt, decode.numel())
+
+
+@functools.lru_cache(maxsize=64)
+def all_rows(n: int) -> torch.Tensor:
+    """A refine mask selecting every row (lm_head rows; calls without a RowSplit)."""
+    return torch.ones(n, dtype=torch.bool)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,200 @@
+// int8 linear layers for the engine's decode steps: AVX-512 VNNI GEMV with the row quantization and the
+// epilogue fused into one call (see assistant/engine/native.py for why this is hand-written).
+//
+// Arithmetic, identical on every path so that a row's output never depends on the kernel or the batch:
+//   s      = max(max|x|, 1e-8) / 127                       per row
+//   u      = x / s ; q = round_half_even(u)                int8 in [-127, 127]
+//   r      = round_half_even((u - q) * 254)                 residual, for rows that get the second pass
+//   a0, a1 = exact int32 dot products of q, r with the int8 weight row
+//   y      = ((float(a0) * ws) + (float(a1) * ws) * (1/254)) * s + bias     (one-pass rows: float(a0) * ws * s + bias)
+// `quantize` + torch._int_mm + `finish` (prefill) and `linear` (<= MAX_ROWS rows) both compute exactly this;
+// IEEE operations in a fixed order, built with -ffp-contract=off so no FMA can change a rounding.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 64;    // outputs per packed block: 4 zmm accumulators of 16 int32
+constexpr int64_t MAX_ROWS = 8;  // GEMM rows one kernel call takes (activation + residual rows)
+constexpr int64_t PREFETCH = 8192;  // bytes ahead of the weight stream (measured: 4-8 KB best here)
+
+// Per-row quantization into u8 (q + 128) for the VNNI kernel (u8 x s8) or s8 for torch._int_mm.
+void quantize_row(const float* x, int64_t K, float* scale_out, int8_t* q_out, int8_t* r_out) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float s = std::max(amax, 1e-8f) / 127.f;
+  *scale_out = s;
+  for (int64_t k = 0; k < K; ++k) {
+    const float u = x[k] / s;
+    const float q = std::nearbyint(u);
+    q_out[k] = static_cast<int8_t>(q);
+    if (r_out) r_out[k] = static_cast<int8_t>(std::nearbyint((u - q) * 254.f));
+  }
+}
+
+// y[0:16] for one row from int32 accumulators (a1 == nullptr: one-pass row).
+inline __m512 epilogue16(__m512i a0, const __m512i* a1, __m512 ws, __m512 s, const float* bias, __mmask16 m) {
+  __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(a0), ws);
+  if (a1) y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(*a1), ws), _mm512_set1_ps(1.f / 254.f)));
+  y = _mm512_mul_ps(y, s);
+  if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, bias));
+  return y;
+}
+
+// One block of 64 outputs for R rows: weights packed as (K4, 64, 4) int8, x as R rows of K4 u8x4 words.
+template <int R>
+void block(const int8_t* w, const int32_t* xb, int64_t K4, const int32_t* comp, __m512i (&acc)[R][4]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t kg = 0; kg < K4; ++kg) {
+    const int8_t* p = w + kg * 256;
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
+    const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64), w2 = _mm512_loadu_si512(p + 128),
+                  w3 = _mm512_loadu_si512(p + 192);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(xb[r * K4 + kg]);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xv, w1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xv, w2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xv, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r)  // (q + 128) . w - 128 * sum(w) == q . w, exactly
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(comp + 16 * j));
+}
+
+struct Rows {
+  int64_t n;                  // activation rows
+  std::vector<int64_t> res;   // res[i]: index of row i's residual row among the GEMM rows, or -1
+};
+
+template <int R>
+void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64_t K4, const int32_t* comp,
+                const float* ws, const float* xscale, const float* bias, float* out, int64_t N, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    __m512i acc[R][4];
+    block<R>(packed + b * K4 * 256, xb, K4, comp + b * BLOCK, acc);
+    for (int64_t i = 0; i < rows.n; ++i) {
+      const __m512 s = _mm512_set1_ps(xscale[i]);
+      for (int j = 0; j < 4; ++j) {
+        const int64_t col = b * BLOCK + 16 * j;
+        if (col >= N) break;
+        const __mmask16 m = N - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - col)) - 1);
+        const __m512 ws16 = _mm512_maskz_loadu_ps(m, ws + col);
+        const __m512i* a1 = rows.res[i] >= 0 ? &acc[rows.res[i]][j] : nullptr;
+        _mm512_mask_storeu_ps(out + i * N + col, m, epilogue16(acc[i][j], a1, ws16, s, bias ? bias + col : nullptr, m));
+      }
+    }
+  }
+}
+
+Rows make_rows(const torch::Tensor& refine, int64_t n) {  // refine: bool (n,) rows that get the residual pass
+  Rows rows{n, std::vector<int64_t>(n, -1)};
+  const bool* rp = refine.data_ptr<bool>();
+  int64_t next = n;
+  for (int64_t i = 0; i < n; ++i)
+    if (rp[i]) rows.res[i] = next++;
+  return rows;
+}
+
+}  // namespace
+
+// int8 (N, K) weights -> (blocks, K4, 64, 4) int8 VNNI layout (N padded to 64, K to 4 with zeros) and
+// comp = 128 * row sums (int32, padded N), the correction for the kernel's unsigned activations.
+std::vector<torch::Tensor> pack(torch::Tensor w) {
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2, "pack wants int8 (N, K) weights");
+  const int64_t N = w.size(0), K = w.size(1), Np = (N + BLOCK - 1) / BLOCK * BLOCK, Kp = (K + 3) / 4 * 4;
+  auto padded = torch::zeros({Np, Kp}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  auto comp = (padded.to(torch::kInt32).sum(1) * 128).to(torch::kInt32).contiguous();
+  auto packed = padded.view({Np / BLOCK, BLOCK, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+  return {packed, comp};
+}
+
+// x fp32 (n, K), refine bool (n,) -> int8 (n + refined, K) rows for torch._int_mm, row scales fp32 (n,)
+std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine) {
+  x = x.contiguous();
+  const int64_t n = x.size(0), K = x.size(1);
+  const Rows rows = make_rows(refine, n);
+  int64_t total = n;
+  for (auto r : rows.res) total += r >= 0;
+  auto xq = torch::empty({total, K}, x.options().dtype(torch::kInt8));
+  auto scale = torch::empty({n}, x.options());
+  for (int64_t i = 0; i < n; ++i)
+    quantize_row(x.data_ptr<float>() + i * K, K, scale.data_ptr<float>() + i, xq.data_ptr<int8_t>() + i * K,
+                 rows.res[i] >= 0 ? xq.data_ptr<int8_t>() + rows.res[i] * K : nullptr);
+  return {xq, scale};
+}
+
+// acc int32 (n + refined, N) from torch._int_mm -> fp32 (n, N), the same epilogue as `linear`
+torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, torch::Tensor refine,
+                     c10::optional<torch::Tensor> bias) {
+  acc = acc.contiguous();
+  const int64_t n = xscale.size(0), N = acc.size(1);
+  const Rows rows = make_rows(refine, n);
+  auto out = torch::empty({n, N}, ws.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const __m512 s = _mm512_set1_ps(xscale.data_ptr<float>()[i]);
+      for (int64_t col = 0; col < N; col += 16) {
+        const __mmask16 m = N - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - col)) - 1);
+        const __m512i a0 = _mm512_maskz_loadu_epi32(m, ap + i * N + col);
+        __m512i a1v;
+        if (rows.res[i] >= 0) a1v = _mm512_maskz_loadu_epi32(m, ap + rows.res[i] * N + col);
+        const __m512 y = epilogue16(a0, rows.res[i] >= 0 ? &a1v : nullptr, _mm512_maskz_loadu_ps(m, ws.data_ptr<float>() + col),
+                                    s, bp ? bp + col : nullptr, m);
+        _mm512_mask_storeu_ps(out.data_ptr<float>() + i * N + col, m, y);
+      }
+    }
+  });
+  return out;
+}
+
+// The fused decode linear: x fp32 (n, K) -> fp32 (n, N), n + refined rows <= MAX_ROWS.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor ws,
+                     c10::optional<torch::Tensor> bias, torch::Tensor refine) {
+  x = x.contiguous();
+  const int64_t n = x.size(0), K = x.size(1), K4 = packed.size(1), blocks = packed.size(0), N = ws.size(0);
+  TORCH_CHECK(K4 * 4 >= K && K4 * 4 - K < 4, "linear: activations do not match the packed weights");
+  const Rows rows = make_rows(refine, n);
+  int64_t total = n;
+  for (auto r : rows.res) total += r >= 0;
+  TORCH_CHECK(total <= MAX_ROWS, "linear takes at most ", MAX_ROWS, " GEMM rows");
+  std::vector<int8_t> q(total * K4 * 4, 0);  // padded K stays 0
+  std::vector<float> xscale(n);
+  for (int64_t i = 0; i < n; ++i)
+    quantize_row(x.data_ptr<float>() + i * K, K, &xscale[i], q.data() + i * K4 * 4,
+                 rows.res[i] >= 0 ? q.data() + rows.res[i] * K4 * 4 : nullptr);
+  // q + 128 as u8; padded K becomes 128 too, against zero weights that comp also counts as zero
+  for (auto& v : q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
+  auto out = torch::empty({n, N}, x.options());
+  const int32_t* xb = reinterpret_cast<const int32_t*>(q.data());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const int8_t* pp = packed.data_ptr<int8_t>();
+    const int32_t* cp = comp.data_ptr<int32_t>();
+    const float* wsp = ws.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    switch (total) {
+#define CASE(R) case R: run_blocks<R>(rows, pp, xb, K4, cp, wsp, xscale.data(), bp, op, N, b0, b1); break;
+      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+      default: break;
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "int8 (N, K) -> VNNI-packed weights and the u8 correction");
+  m.def("quantize", &quantize, "rows -> int8 GEMM rows (with residual rows) and row scales");
+  m.def("finish", &finish, "int32 accumulators -> fp32 outputs");
+  m.def("linear", &linear, "fused decode linear (quantize, VNNI GEMV, epilogue)");
+  m.attr("MAX_ROWS") = MAX_ROWS;
+}
