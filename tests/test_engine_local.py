@@ -190,17 +190,26 @@ def test_kv_exhaustion_preempts_and_everyone_finishes(tiny_config):
 # fp32 agrees to ~4e-7 here (a RoPE sign error gives 5e-3); int8 to ~1e-2 (a gross kernel or scale error
 # is far above 5e-2)
 @pytest.mark.parametrize("quantize,tolerance", [("none", 1e-5), ("int8", 5e-2)])
-def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, tolerance):
+@pytest.mark.parametrize("kernels", ["native", "pytorch"])
+def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, tolerance, kernels, monkeypatch):
     """The hand-written ragged forward (model.py) against HF's own forward on the same weights: one
-    sequence prefilled in two chunks, then one decode step, through the paged KV cache."""
+    sequence prefilled in two chunks, then one decode step, through the paged KV cache; with the
+    native kernels (norm, RoPE + KV write, attention, int8 linears) and with PyTorch ops."""
     import torch
 
+    from assistant.engine import model as model_module
+    from assistant.engine import native
     from assistant.engine.kv_cache import KVCache
     from assistant.engine.loading import load_model
     from assistant.engine.model import SeqBatch, Transformer
 
+    if kernels == "native" and native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    if kernels == "pytorch":
+        monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
     hf = load_model(tiny_config).model
     lean = Transformer.from_hf(hf, quantize=None if quantize == "none" else quantize)
+    assert (lean.ops is not None) == (kernels == "native")
     a = lean.args
     kv = KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
     ids = torch.randint(0, a.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))

@@ -294,6 +294,9 @@ class Transformer:
         self.cos, self.sin = rope_tables(args, min(args.max_position, 32768), device)
         scales = [args.head_dim ** -0.5] * args.num_heads + [1.0] * args.num_kv_heads
         self.head_scale = torch.tensor(scales, device=device).view(-1, 1)  # (H + KVH, 1): pre-scaled queries
+        # fused layer ops (native.py): RMSNorm, RoPE + KV write, single-query attention; fp32 on CPU
+        native_ok = torch.device(device).type == "cpu" and dtype == torch.float32 and args.head_dim % 16 == 0
+        self.ops = int8_kernels() if native_ok else None
 
     @classmethod
     def from_hf(cls, hf_model: Any, *, quantize: str | None = None) -> "Transformer":
@@ -306,35 +309,54 @@ class Transformer:
         """tokens, positions (T,) -> logits (B, V) at the last new token of each sequence.
 
         Writes this step's keys/values into `kv` (slots = the last `num_new` of each seq's kv_slots).
+        A sequence with one new token attends through `attend_one` whether or not others prefill in the
+        same step, so its numbers never depend on the batch.
         """
         a = self.args
         new_slots = torch.cat([s.kv_slots[s.context_len - s.num_new:] for s in seqs])  # (T,)
-        # queries and keys are rotated together; the queries' softmax scale rides on their tables
-        cos = self.cos[positions].unsqueeze(1) * self.head_scale  # (T, H + KVH, hd)
-        sin = self.sin[positions].unsqueeze(1) * self.head_scale
         rows = RowSplit.from_mask(positions < torch.cat([torch.full((s.num_new,), s.prompt_len) for s in seqs]).to(
             positions.device)) if self.quantize else None
+        ops = self.ops
+        if ops is not None:
+            norm = lambda x, w: ops.rms_norm(x, w, a.rms_eps)  # noqa: E731
+            cos, sin = self.cos[positions], self.sin[positions]  # (T, hd)
+            singles = [s for s in seqs if s.num_new == 1]
+            if len(singles) == len(seqs):  # a pure decode step: one attend call per layer for every sequence
+                single_slots = torch.cat([s.kv_slots for s in seqs])
+                offsets = torch.tensor([0] + [s.context_len for s in seqs]).cumsum(0)
+        else:
+            norm = lambda x, w: rms_norm(x, w, a.rms_eps)  # noqa: E731
+            # queries and keys are rotated together; the queries' softmax scale rides on their tables
+            cos = self.cos[positions].unsqueeze(1) * self.head_scale  # (T, H + KVH, hd)
+            sin = self.sin[positions].unsqueeze(1) * self.head_scale
         h = self.embed[tokens]  # (T, D)
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer["attn_norm"], a.rms_eps)
-            qkv = layer["qkv"](x, rows)
-            qk = apply_rope(qkv[:, :q_size + kv_size].view(-1, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
-            q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]  # (T, H, hd), (T, KVH, hd)
-            kv.write(i, new_slots, k, qkv[:, q_size + kv_size:].view(-1, a.num_kv_heads, a.head_dim))
-            if len(seqs) == 1:
+            qkv = layer["qkv"](norm(h, layer["attn_norm"]), rows)
+            if ops is not None:
+                q = ops.rope_store(qkv, cos, sin, a.num_heads, a.num_kv_heads, a.head_dim ** -0.5, kv.k[i], kv.v[i],
+                                   new_slots)  # (T, H, hd), scaled; k and v are in the cache
+            else:
+                qk = apply_rope(qkv[:, :q_size + kv_size].view(-1, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
+                q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]  # (T, H, hd), (T, KVH, hd)
+                kv.write(i, new_slots, k, qkv[:, q_size + kv_size:].view(-1, a.num_kv_heads, a.head_dim))
+            if ops is not None and len(singles) == len(seqs):
+                out = ops.attend(q, kv.k[i], kv.v[i], single_slots, offsets)
+            elif len(seqs) == 1 and ops is None:
                 out = attention(q, *kv.read(i, seqs[0].kv_slots))
             else:
                 out = torch.empty_like(q)
                 for s in seqs:
-                    keys, values = kv.read(i, s.kv_slots)  # (ctx, KVH, hd)
-                    out[s.start:s.start + s.num_new] = attention(q[s.start:s.start + s.num_new], keys, values)
+                    span = slice(s.start, s.start + s.num_new)
+                    if ops is not None and s.num_new == 1:
+                        out[span] = ops.attend(q[span], kv.k[i], kv.v[i], s.kv_slots, torch.tensor([0, s.context_len]))
+                    else:
+                        out[span] = attention(q[span], *kv.read(i, s.kv_slots))  # (ctx, KVH, hd) each
             h = h + layer["o"](out.reshape(-1, q_size), rows)
-            x = rms_norm(h, layer["mlp_norm"], a.rms_eps)
-            gate, up = layer["gate_up"](x, rows).chunk(2, dim=-1)
+            gate, up = layer["gate_up"](norm(h, layer["mlp_norm"]), rows).chunk(2, dim=-1)
             h = h + layer["down"](F.silu(gate) * up, rows)
         last = torch.tensor([s.start + s.num_new - 1 for s in seqs], device=h.device)
-        return self.lm_head(rms_norm(h[last], self.norm, a.rms_eps)).float()  # (B, V)
+        return self.lm_head(norm(h[last], self.norm)).float()  # (B, V)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The engine's one hand-written kernel: int8 decode linears (csrc/int8_linear.cpp), built on first use.
+"""The engine's hand-written CPU kernels (csrc/), built on first use: int8 decode linears and fused layer ops.
 
 Why hand-written. A decode step of Qwen2.5-0.5B runs 97 int8 linears on 1-2 rows each. Through
 PyTorch ops (fbgemm's prepacked GEMM plus the per-row quantization and the epilogue around it) each
@@ -9,6 +9,9 @@ the residual pass (model.py), an AVX-512 VNNI GEMV that streams each weight byte
 and the epilogue into one call. It keeps the engine's arithmetic exactly (integer dot products, the
 same float epilogue in the same order), so prefill rows through `quantize` + `torch._int_mm` +
 `finish` are bit-identical to decode rows through `linear`, and batching never changes a row.
+The same reasoning fused the rest of a layer's small ops (csrc/layer_ops.cpp): RMSNorm, RoPE with
+the KV-cache write, and single-query attention that reads the paged cache in place instead of
+gathering K and V per layer. Every path of the model calls these same functions.
 
 Built with torch.utils.cpp_extension (g++ and ninja) into ~/.cache/assistant/native, once per source
 version: about a minute on 2 vCPUs. Without AVX-512 VNNI, a compiler, or with ASSISTANT_NATIVE=0, the
@@ -26,7 +29,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "int8_linear.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.cpp", "layer_ops.cpp")]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off"]
 
@@ -58,7 +61,7 @@ def int8_kernels() -> ModuleType | None:
         try:
             return build()
         except Exception as exc:  # noqa: BLE001 - no compiler / headers: the PyTorch-op path still works
-            reason = f"building {SOURCE.name} failed ({str(exc).strip().splitlines()[-1][:300]}); install g++ and ninja"
+            reason = f"building {SOURCES[0].parent} failed ({str(exc).strip().splitlines()[-1][:300]}); install g++ and ninja"
     log.warning("int8 decode kernel not used: %s; decoding through PyTorch ops (slower)", reason)
     return None
 
@@ -70,5 +73,5 @@ def build(verbose: bool = False) -> ModuleType:
     out.mkdir(parents=True, exist_ok=True)
     if not any(out.glob("*.so")):
         print("Building the int8 decode kernel (once, about a minute)...", file=sys.stderr, flush=True)
-    return load(name="assistant_int8_linear", sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(out),
+    return load(name="assistant_engine_native", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, build_directory=str(out),
                 verbose=verbose)

@@ -191,10 +191,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, 
   return out;
 }
 
+// layer_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
+                         double q_scale, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor offsets);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "int8 (N, K) -> VNNI-packed weights and the u8 correction");
-  m.def("quantize", &quantize, "rows -> int8 GEMM rows (with residual rows) and row scales");
-  m.def("finish", &finish, "int32 accumulators -> fp32 outputs");
-  m.def("linear", &linear, "fused decode linear (quantize, VNNI GEMV, epilogue)");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();  // steps run on the engine thread
+  m.def("pack", &pack, nogil, "int8 (N, K) -> VNNI-packed weights and the u8 correction");
+  m.def("quantize", &quantize, nogil, "rows -> int8 GEMM rows (with residual rows) and row scales");
+  m.def("finish", &finish, nogil, "int32 accumulators -> fp32 outputs");
+  m.def("linear", &linear, nogil, "fused decode linear (quantize, VNNI GEMV, epilogue)");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm over rows");
+  m.def("rope_store", &rope_store, nogil, "rotary embedding of q and k, k and v written to the KV cache");
+  m.def("attend", &attend, nogil, "one query token per sequence over its paged KV slots");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }

@@ -1,0 +1,126 @@
+// The small per-layer operations of a decode step, fused (see assistant/engine/native.py for why):
+// RMSNorm, rotary embedding + KV-cache write, and single-query attention over paged KV slots.
+// fp32 only; every path of the model (prefill, decode, batched or not) calls these same functions,
+// so a sequence's numbers never depend on what else is in the step.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+}  // namespace
+
+// x (T, D), w (D,) -> x * rsqrt(mean(x^2) + eps) * w
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  x = x.contiguous();
+  const int64_t T = x.size(0), D = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = xp + t * D;
+      double ss = 0.0;
+      for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(row[d]) * row[d];
+      const float inv = 1.f / std::sqrt(static_cast<float>(ss / D) + static_cast<float>(eps));
+      for (int64_t d = 0; d < D; ++d) op[t * D + d] = row[d] * inv * wp[d];
+    }
+  });
+  return out;
+}
+
+// qkv (T, (H + 2 KVH) * hd) -> q (T, H, hd), rotated and multiplied by `q_scale`; the rotated keys and the
+// values go to kc/vc (S, KVH, hd) at `slots` (T,). cos/sin (T, hd) in rotate_half layout, sin signed:
+// rotated = x * cos + roll(x, hd / 2) * signed_sin.
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
+                         double q_scale, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots) {
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t T = qkv.size(0), hd = kc.size(2), half = hd / 2, width = qkv.size(1);
+  TORCH_CHECK(width == (H + 2 * KVH) * hd, "rope_store: qkv width does not match the heads");
+  auto q = torch::empty({T, H, hd}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* qp = q.data_ptr<float>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  const float qs = static_cast<float>(q_scale);
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + t * hd;
+      const float* s = sp + t * hd;
+      for (int64_t h = 0; h < H + KVH; ++h) {
+        const float* x = xp + t * width + h * hd;
+        float* dst = h < H ? qp + (t * H + h) * hd : kp + (slot[t] * KVH + (h - H)) * hd;
+        const float scale = h < H ? qs : 1.f;
+        for (int64_t d = 0; d < hd; ++d) {
+          const float rolled = x[d < half ? d + half : d - half];
+          dst[d] = (x[d] * (c[d] * scale)) + (rolled * (s[d] * scale));
+        }
+      }
+      std::memcpy(vp + slot[t] * KVH * hd, xp + t * width + (H + KVH) * hd, sizeof(float) * KVH * hd);
+    }
+  });
+  return q;
+}
+
+// One query token per sequence: q (B, H, hd), already scaled; sequence b's context is the KV slots
+// slots[offsets[b]:offsets[b + 1]] of kc/vc (S, KVH, hd) -> out (B, H, hd).
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor offsets) {
+  q = q.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), hd = q.size(2), KVH = kc.size(1), G = H / KVH;
+  TORCH_CHECK(hd % 16 == 0 && hd <= 256, "attend: head dim must be a multiple of 16, at most 256");
+  auto out = torch::empty_like(q);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t V = hd / 16;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / KVH, g = i % KVH, ctx = off[b + 1] - off[b];
+      const int64_t* ctx_slots = sl + off[b];
+      p.resize(ctx);
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t h = g * G + j;
+        const float* qh = qp + (b * H + h) * hd;
+        __m512 qv[16];
+        for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qh + 16 * v);
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < ctx; ++c) {
+          const float* k = kp + (ctx_slots[c] * KVH + g) * hd;
+          __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+          for (int64_t v = 1; v < V; ++v) acc = _mm512_add_ps(acc, _mm512_mul_ps(qv[v], _mm512_loadu_ps(k + 16 * v)));
+          p[c] = hsum(acc);
+          mx = std::max(mx, p[c]);
+        }
+        float total = 0.f;
+        for (int64_t c = 0; c < ctx; ++c) total += (p[c] = std::exp(p[c] - mx));
+        const __m512 inv = _mm512_set1_ps(1.f / total);
+        __m512 o[16];
+        for (int64_t v = 0; v < V; ++v) o[v] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < ctx; ++c) {
+          const float* val = vp + (ctx_slots[c] * KVH + g) * hd;
+          const __m512 pc = _mm512_set1_ps(p[c]);
+          for (int64_t v = 0; v < V; ++v) o[v] = _mm512_add_ps(o[v], _mm512_mul_ps(pc, _mm512_loadu_ps(val + 16 * v)));
+        }
+        float* dst = op + (b * H + h) * hd;
+        for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(o[v], inv));
+      }
+    }
+  });
+  return out;
+}
