@@ -92,6 +92,7 @@ def unsupported_reason(hf_config: Any) -> str | None:
     return None
 
 
+ATTEND_MAX_QUERIES = 8  # native attention up to this many new tokens of a sequence (faster there), SDPA beyond
 FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the module docstring)
 
 
@@ -309,8 +310,8 @@ class Transformer:
         """tokens, positions (T,) -> logits (B, V) at the last new token of each sequence.
 
         Writes this step's keys/values into `kv` (slots = the last `num_new` of each seq's kv_slots).
-        A sequence with one new token attends through `attend_one` whether or not others prefill in the
-        same step, so its numbers never depend on the batch.
+        A sequence with at most ATTEND_MAX_QUERIES new tokens attends through the native `attend` whether
+        or not others prefill in the same step, so a decoding sequence's numbers never depend on the batch.
         """
         a = self.args
         new_slots = torch.cat([s.kv_slots[s.context_len - s.num_new:] for s in seqs])  # (T,)
@@ -320,10 +321,11 @@ class Transformer:
         if ops is not None:
             norm = lambda x, w: ops.rms_norm(x, w, a.rms_eps)  # noqa: E731
             cos, sin = self.cos[positions], self.sin[positions]  # (T, hd)
-            singles = [s for s in seqs if s.num_new == 1]
-            if len(singles) == len(seqs):  # a pure decode step: one attend call per layer for every sequence
-                single_slots = torch.cat([s.kv_slots for s in seqs])
-                offsets = torch.tensor([0] + [s.context_len for s in seqs]).cumsum(0)
+            native_attention = all(s.num_new <= ATTEND_MAX_QUERIES for s in seqs)
+            if native_attention:  # one attend call per layer for every sequence (decode, small chunks)
+                attend_args = (torch.cat([s.kv_slots for s in seqs]),
+                               torch.tensor([0] + [s.context_len for s in seqs]).cumsum(0),
+                               torch.tensor([0] + [s.num_new for s in seqs]).cumsum(0))
         else:
             norm = lambda x, w: rms_norm(x, w, a.rms_eps)  # noqa: E731
             # queries and keys are rotated together; the queries' softmax scale rides on their tables
@@ -340,16 +342,17 @@ class Transformer:
                 qk = apply_rope(qkv[:, :q_size + kv_size].view(-1, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
                 q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]  # (T, H, hd), (T, KVH, hd)
                 kv.write(i, new_slots, k, qkv[:, q_size + kv_size:].view(-1, a.num_kv_heads, a.head_dim))
-            if ops is not None and len(singles) == len(seqs):
-                out = ops.attend(q, kv.k[i], kv.v[i], single_slots, offsets)
+            if ops is not None and native_attention:
+                out = ops.attend(q, kv.k[i], kv.v[i], *attend_args)
             elif len(seqs) == 1 and ops is None:
                 out = attention(q, *kv.read(i, seqs[0].kv_slots))
             else:
                 out = torch.empty_like(q)
                 for s in seqs:
                     span = slice(s.start, s.start + s.num_new)
-                    if ops is not None and s.num_new == 1:
-                        out[span] = ops.attend(q[span], kv.k[i], kv.v[i], s.kv_slots, torch.tensor([0, s.context_len]))
+                    if ops is not None and s.num_new <= ATTEND_MAX_QUERIES:
+                        out[span] = ops.attend(q[span], kv.k[i], kv.v[i], s.kv_slots, torch.tensor([0, s.context_len]),
+                                               torch.tensor([0, s.num_new]))
                     else:
                         out[span] = attention(q[span], *kv.read(i, s.kv_slots))  # (ctx, KVH, hd) each
             h = h + layer["o"](out.reshape(-1, q_size), rows)

@@ -195,7 +195,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
                          double q_scale, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
-torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor offsets);
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor kv_off,
+                     torch::Tensor q_off);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();  // steps run on the engine thread
@@ -205,6 +206,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, nogil, "fused decode linear (quantize, VNNI GEMV, epilogue)");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm over rows");
   m.def("rope_store", &rope_store, nogil, "rotary embedding of q and k, k and v written to the KV cache");
-  m.def("attend", &attend, nogil, "one query token per sequence over its paged KV slots");
+  m.def("attend", &attend, nogil, "causal attention of a step's queries over paged KV slots");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }

@@ -74,33 +74,44 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
-// One query token per sequence: q (B, H, hd), already scaled; sequence b's context is the KV slots
-// slots[offsets[b]:offsets[b + 1]] of kc/vc (S, KVH, hd) -> out (B, H, hd).
-torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor offsets) {
+// Causal attention of a step's queries over paged KV: q (T, H, hd), already scaled. Sequence b owns query
+// rows q_off[b] .. q_off[b + 1] (its newest positions) and context slots slots[kv_off[b] .. kv_off[b + 1]];
+// its j-th of n queries sees the first ctx - n + j + 1 of them (the cache already holds this step's keys).
+// One work item per (query row, kv head), so a row's result does not depend on the rest of the step.
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor kv_off,
+                     torch::Tensor q_off) {
   q = q.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), hd = q.size(2), KVH = kc.size(1), G = H / KVH;
+  const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), KVH = kc.size(1), G = H / KVH, B = kv_off.size(0) - 1;
   TORCH_CHECK(hd % 16 == 0 && hd <= 256, "attend: head dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(q_off.size(0) == B + 1, "attend: one query range per sequence");
   auto out = torch::empty_like(q);
   const int64_t* sl = slots.data_ptr<int64_t>();
-  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* kvo = kv_off.data_ptr<int64_t>();
+  const int64_t* qo = q_off.data_ptr<int64_t>();
+  TORCH_CHECK(qo[B] == T, "attend: query ranges do not cover q");
+  std::vector<int64_t> seq_of(T);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = qo[b]; t < qo[b + 1]; ++t) seq_of[t] = b;
   const float* qp = q.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t V = hd / 16;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / KVH, g = i % KVH, ctx = off[b + 1] - off[b];
-      const int64_t* ctx_slots = sl + off[b];
-      p.resize(ctx);
+      const int64_t t = i / KVH, g = i % KVH, b = seq_of[t];
+      const int64_t n = qo[b + 1] - qo[b], ctx = kvo[b + 1] - kvo[b];
+      const int64_t visible = ctx - n + (t - qo[b]) + 1;
+      const int64_t* ctx_slots = sl + kvo[b];
+      p.resize(visible);
       for (int64_t j = 0; j < G; ++j) {
         const int64_t h = g * G + j;
-        const float* qh = qp + (b * H + h) * hd;
+        const float* qh = qp + (t * H + h) * hd;
         __m512 qv[16];
         for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qh + 16 * v);
         float mx = -INFINITY;
-        for (int64_t c = 0; c < ctx; ++c) {
+        for (int64_t c = 0; c < visible; ++c) {
           const float* k = kp + (ctx_slots[c] * KVH + g) * hd;
           __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
           for (int64_t v = 1; v < V; ++v) acc = _mm512_add_ps(acc, _mm512_mul_ps(qv[v], _mm512_loadu_ps(k + 16 * v)));
@@ -108,16 +119,16 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
           mx = std::max(mx, p[c]);
         }
         float total = 0.f;
-        for (int64_t c = 0; c < ctx; ++c) total += (p[c] = std::exp(p[c] - mx));
+        for (int64_t c = 0; c < visible; ++c) total += (p[c] = std::exp(p[c] - mx));
         const __m512 inv = _mm512_set1_ps(1.f / total);
         __m512 o[16];
         for (int64_t v = 0; v < V; ++v) o[v] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < ctx; ++c) {
+        for (int64_t c = 0; c < visible; ++c) {
           const float* val = vp + (ctx_slots[c] * KVH + g) * hd;
           const __m512 pc = _mm512_set1_ps(p[c]);
           for (int64_t v = 0; v < V; ++v) o[v] = _mm512_add_ps(o[v], _mm512_mul_ps(pc, _mm512_loadu_ps(val + 16 * v)));
         }
-        float* dst = op + (b * H + h) * hd;
+        float* dst = op + (t * H + h) * hd;
         for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(o[v], inv));
       }
     }
