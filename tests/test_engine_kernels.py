@@ -189,3 +189,66 @@ def test_rope_with_signed_sin_equals_rotate_half():
     rotate_half = torch.cat([-x[..., 4:], x[..., :4]], dim=-1)
     signed = sin * torch.cat([-torch.ones(4), torch.ones(4)])
     assert torch.allclose(apply_rope(x, cos, signed), x * cos + rotate_half * sin, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    ext = native.int8_kernels()
+    need(ext is not None, "the native kernels (build failed)", "install g++ and ninja (make test does)")
+    return ext
+
+
+def _reference_attention(q, k, v, n):
+    """float64 causal attention of the last n positions of a context: q (n, H, hd), k/v (ctx, KVH, hd)."""
+    heads, kv_heads, ctx = q.size(1), k.size(1), k.size(0)
+    k = k.double().repeat_interleave(heads // kv_heads, dim=1)
+    v = v.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nhd,chd->hnc", q.double(), k)
+    visible = torch.arange(ctx)[None, :] <= (ctx - n + torch.arange(n))[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)
+
+
+def test_native_attention_matches_causal_softmax_over_scattered_slots(ops):
+    torch.manual_seed(5)
+    heads, kv_heads, hd, cache = 6, 2, 32, 64
+    kc, vc = torch.randn(cache, kv_heads, hd), torch.randn(cache, kv_heads, hd)
+    seqs = [(torch.randperm(cache)[:20], 1), (torch.randperm(cache)[:9], 4), (torch.randperm(cache)[:3], 3)]
+    q = torch.randn(sum(n for _, n in seqs), heads, hd)
+    kv_off = torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0)
+    q_off = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+    out = ops.attend(q, kc, vc, torch.cat([s for s, _ in seqs]), kv_off, q_off)
+    for b, (slots, n) in enumerate(seqs):
+        rows = slice(int(q_off[b]), int(q_off[b + 1]))
+        want = _reference_attention(q[rows], kc[slots], vc[slots], n)
+        assert (out[rows].double() - want).abs().max() < 1e-5
+        alone = ops.attend(q[rows].clone(), kc, vc, slots, torch.tensor([0, len(slots)]), torch.tensor([0, n]))
+        assert torch.equal(alone, out[rows])  # a sequence's rows do not depend on the rest of the step
+
+
+def test_native_rope_store_matches_apply_rope_and_the_cache_write(ops):
+    torch.manual_seed(6)
+    heads, kv_heads, hd, tokens = 4, 2, 16, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd)
+    angles = torch.randn(tokens, hd // 2)
+    cos = torch.cat([angles, angles], -1).cos()
+    sin = torch.cat([angles, angles], -1).sin() * torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
+    kc, vc = torch.zeros(10, kv_heads, hd), torch.zeros(10, kv_heads, hd)
+    slots = torch.tensor([7, 2, 5])
+    q = ops.rope_store(qkv, cos, sin, heads, kv_heads, 0.25, kc, vc, slots)
+    x = qkv.view(tokens, heads + 2 * kv_heads, hd)
+    rotated = apply_rope(x[:, :heads + kv_heads], cos[:, None], sin[:, None])
+    assert torch.allclose(q, rotated[:, :heads] * 0.25, atol=1e-6)
+    assert torch.allclose(kc[slots], rotated[:, heads:], atol=1e-6)
+    assert torch.equal(vc[slots], x[:, heads + kv_heads:])
+    untouched = torch.ones(10, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kc[untouched].any() and not vc[untouched].any()
+
+
+def test_native_rms_norm_matches_pytorch(ops):
+    torch.manual_seed(7)
+    x, w = torch.randn(5, 96) * 3, torch.rand(96)
+    assert torch.allclose(ops.rms_norm(x, w, 1e-6), model_module.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
