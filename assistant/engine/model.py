@@ -11,33 +11,31 @@ Shapes: T = tokens in this step (all sequences), D = hidden, H/KVH = query/kv he
 
 int8 (`quantize="int8"`): per-output-channel symmetric int8 weights and dynamic per-row symmetric
 int8 activations, so every output is an exact int32 dot product, converted to float and scaled by
-the weight's channel scale, then by the row's scale. Two kernels compute exactly that:
-  * up to FBGEMM_MAX_ROWS rows (decode steps, small prefill chunks) are bandwidth-bound GEMVs:
-    fbgemm's prepacked int8 GEMM (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`).
-    Measured here at 2 threads, one row: lm_head (151936x896) 6.7 ms against 16-17 ms for
-    `torch._weight_int8pack_mm` (bf16 activations, the first version of this module) and 15 ms for
-    `torch._int_mm`; the MLP matrices 0.2-0.4 ms against 0.5-0.9 ms.
-  * more rows (prefill) are compute-bound: `torch._int_mm` (oneDNN, VNNI) ran 2-2.5x faster than
-    fbgemm at 16-256 rows, so the int8 weights are kept a second time in its layout.
+the weight's channel scale, then by the row's scale.
 Generated tokens get a second pass: their quantization residual (x - scale * q, at most half a
 step) is quantized at 1/254 of the step and goes into the same GEMM as an extra row, so the
 activations keep ~15 bits while the weights are read once. Measured against fp32 on the bench's 8
 prompts, 48 tokens each, teacher-forced through decode steps (next-token top-1 agreement, greedy
-answers identical): one pass 0.954 (1/8); with the residual pass 0.980 (4/8); bf16 activations with
-`_weight_int8pack_mm` 0.974 (4/8). With the pass on qkv/o/down only (or with lm_head too),
-`assistant chat` answered "What is 2+2?" with "6"; with it everywhere, "4", as the weight-only
-kernel did. The price: a 2-row fbgemm GEMV streams cold weights ~15-20% slower than a 1-row one (a
-decode step 54-61 vs 45-49 ms here). Prompt tokens keep one pass: prefill is compute-bound, and only a prompt's last token is
-sampled (its lm_head row gets the pass).
-fbgemm's own dynamic-quant linear is as fast, but it quantizes the whole batch with one scale, which
-would make a request's output depend on what it is batched with. So rows are quantized here, one
-scale each, and handed to fbgemm as integral floats with scale 1 and zero point 128, which its own
-quantization leaves exact. Both kernels then give bit-identical rows (`fbgemm_matches_int_mm` checks
-this once per process, saturation included, and fbgemm is not used where it fails, e.g. CPUs without
-VNNI), so the kernel may be picked by row count and a request's output still does not depend on what
-else is in the step (tests: batched greedy == sequential greedy, and bitwise row checks).
-Without fbgemm, decode rows fall back to `_weight_int8pack_mm` and prompt rows keep `_int_mm`: the
-kernel is then chosen per token (prompt or generated), never by batch size.
+answers identical): one pass 0.954 (1/8); with the residual pass 0.980-0.989 (4-5/8); bf16
+activations with `_weight_int8pack_mm` 0.974 (4/8). With the pass on qkv/o/down only,
+`assistant chat` answered "What is 2+2?" with "6"; with it everywhere, "4". Prompt tokens keep one
+pass: prefill is compute-bound, and only a prompt's last token is sampled (its lm_head row gets it).
+Kernels, all computing exactly that arithmetic, so a row's output never depends on which one ran:
+  * native.py (default where the CPU has AVX-512 VNNI and g++ is present): up to MAX_ROWS GEMM rows
+    (decode steps, small chunks) go through one fused call (row quantization, residual rows, a VNNI
+    GEMV that streams each weight byte once for all rows, epilogue); more rows through the same
+    kernel-side quantization and epilogue around `torch._int_mm` (oneDNN), which is 2-2.5x faster
+    at 16+ rows. Decode step, Qwen2.5-0.5B, 2 threads, same run: 47 ms against 68-90 ms through the
+    PyTorch ops below (native.py says where that time went).
+  * without it, up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM
+    (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`) with rows quantized here and handed
+    over as integral floats (scale 1, zero point 128), which its own quantization leaves exact
+    (fbgemm's dynamic-quant linear would quantize the whole batch with one scale, making a request's
+    output depend on its batch). `fbgemm_matches_int_mm` checks bit-identity with `_int_mm` once per
+    process, int16 saturation included; where it fails, generated rows use `_weight_int8pack_mm`
+    and prompt rows `_int_mm`: the kernel is then chosen per token (prompt or generated), never by
+    batch size.
+In every case the int8 weights are held twice (the GEMV layout and `_int_mm`'s); decode reads one.
 """
 
 from __future__ import annotations
