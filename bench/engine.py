@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -292,8 +293,8 @@ def main() -> None:
     for rnd in range(5):
         pair = ((engine, on_t), (off, off_t))
         for eng, sink in (pair if rnd % 2 == 0 else pair[::-1]):  # alternate who goes first
-            # the nonce opens the system prompt, inside the first KV block: nothing is ever shared, 0% hits
-            unique = [[{"role": "system", "content": f"[{time.time_ns()}-{rnd}] You are a helpful assistant."},
+            # a random nonce opens the system prompt, inside the first KV block: nothing is shared, 0% hits
+            unique = [[{"role": "system", "content": f"[{uuid.uuid4().hex[:12]}] You are a helpful assistant."},
                        {"role": "user", "content": q}] for q in QUESTIONS[:4]]
             start = time.perf_counter()
             for p in unique:
