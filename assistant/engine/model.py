@@ -17,9 +17,10 @@ step) is quantized at 1/254 of the step and goes into the same GEMM as an extra 
 activations keep ~15 bits while the weights are read once. Measured against fp32 on the bench's 8
 prompts, 48 tokens each, teacher-forced through decode steps (next-token top-1 agreement, greedy
 answers identical): one pass 0.954 (1/8); with the residual pass 0.980-0.989 (4-5/8); bf16
-activations with `_weight_int8pack_mm` 0.974 (4/8). With the pass on qkv/o/down only,
-`assistant chat` answered "What is 2+2?" with "6"; with it everywhere, "4". Prompt tokens keep one
-pass: prefill is compute-bound, and only a prompt's last token is sampled (its lm_head row gets it).
+activations with `_weight_int8pack_mm` 0.974 (4/8); the pass on qkv/o/down only 0.977. (Single
+answers are no measure: `assistant chat` answers "What is 2+2?" with 4 or 6 depending on rounding
+details, and fp32 itself only repeats the question.) Prompt tokens keep one pass: prefill is
+compute-bound, and only a prompt's last token is sampled (its lm_head row gets the pass).
 Kernels, all computing exactly that arithmetic, so a row's output never depends on which one ran:
   * native.py (default where the CPU has AVX-512 VNNI and g++ is present): up to MAX_ROWS GEMM rows
     (decode steps, small chunks) go through one fused call (row quantization, residual rows, a VNNI
