@@ -294,7 +294,7 @@ class Transformer:
         self.cos, self.sin = rope_tables(args, min(args.max_position, 32768), device)
         scales = [args.head_dim ** -0.5] * args.num_heads + [1.0] * args.num_kv_heads
         self.head_scale = torch.tensor(scales, device=device).view(-1, 1)  # (H + KVH, 1): pre-scaled queries
-        # fused layer ops (native.py): RMSNorm, RoPE + KV write, single-query attention; fp32 on CPU
+        # fused layer ops (native.py): RMSNorm, RoPE + KV write, paged causal attention; fp32 on CPU
         native_ok = torch.device(device).type == "cpu" and dtype == torch.float32 and args.head_dim % 16 == 0
         self.ops = int8_kernels() if native_ok else None
 
