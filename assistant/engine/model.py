@@ -110,7 +110,7 @@ class Linear:
             if on_cpu and dtype == torch.float32 and (ext := int8_kernels()) is not None:
                 self.native = ext  # the fused kernel (native.py); the int8 weights above serve prefill
                 self.vnni, self.comp = ext.pack(self.weight)
-                self.bias = None if bias is None else self.bias.float().contiguous()
+                self.bias = None if bias is None else self.bias.contiguous()  # the kernel reads it raw
             elif on_cpu and fbgemm_matches_int_mm():
                 self.packed = fbgemm_pack(self.weight, self.scale)
         else:

@@ -70,7 +70,12 @@ void block(const int8_t* w, const int32_t* xb, int64_t K4, const int32_t* comp, 
 struct Rows {
   int64_t n;                  // activation rows
   std::vector<int64_t> res;   // res[i]: index of row i's residual row among the GEMM rows, or -1
+  int64_t total;              // GEMM rows: activation rows + residual rows
 };
+
+inline __mmask16 tail_mask(int64_t remaining) {  // lanes of a 16-wide chunk that lie inside the row
+  return remaining >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << remaining) - 1);
+}
 
 template <int R>
 void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64_t K4, const int32_t* comp,
@@ -83,7 +88,7 @@ void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64
       for (int j = 0; j < 4; ++j) {
         const int64_t col = b * BLOCK + 16 * j;
         if (col >= N) break;
-        const __mmask16 m = N - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - col)) - 1);
+        const __mmask16 m = tail_mask(N - col);
         const __m512 ws16 = _mm512_maskz_loadu_ps(m, ws + col);
         const __m512i* a1 = rows.res[i] >= 0 ? &acc[rows.res[i]][j] : nullptr;
         _mm512_mask_storeu_ps(out + i * N + col, m, epilogue16(acc[i][j], a1, ws16, s, bias ? bias + col : nullptr, m));
@@ -93,11 +98,10 @@ void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64
 }
 
 Rows make_rows(const torch::Tensor& refine, int64_t n) {  // refine: bool (n,) rows that get the residual pass
-  Rows rows{n, std::vector<int64_t>(n, -1)};
+  Rows rows{n, std::vector<int64_t>(n, -1), n};
   const bool* rp = refine.data_ptr<bool>();
-  int64_t next = n;
   for (int64_t i = 0; i < n; ++i)
-    if (rp[i]) rows.res[i] = next++;
+    if (rp[i]) rows.res[i] = rows.total++;
   return rows;
 }
 
@@ -120,9 +124,7 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine) {
   x = x.contiguous();
   const int64_t n = x.size(0), K = x.size(1);
   const Rows rows = make_rows(refine, n);
-  int64_t total = n;
-  for (auto r : rows.res) total += r >= 0;
-  auto xq = torch::empty({total, K}, x.options().dtype(torch::kInt8));
+  auto xq = torch::empty({rows.total, K}, x.options().dtype(torch::kInt8));
   auto scale = torch::empty({n}, x.options());
   for (int64_t i = 0; i < n; ++i)
     quantize_row(x.data_ptr<float>() + i * K, K, scale.data_ptr<float>() + i, xq.data_ptr<int8_t>() + i * K,
@@ -139,17 +141,20 @@ torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, 
   auto out = torch::empty({n, N}, ws.options());
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const float* wsp = ws.data_ptr<float>();
+  const float* xsp = xscale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const __m512 s = _mm512_set1_ps(xscale.data_ptr<float>()[i]);
+      const __m512 s = _mm512_set1_ps(xsp[i]);
       for (int64_t col = 0; col < N; col += 16) {
-        const __mmask16 m = N - col >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - col)) - 1);
+        const __mmask16 m = tail_mask(N - col);
         const __m512i a0 = _mm512_maskz_loadu_epi32(m, ap + i * N + col);
         __m512i a1v;
         if (rows.res[i] >= 0) a1v = _mm512_maskz_loadu_epi32(m, ap + rows.res[i] * N + col);
-        const __m512 y = epilogue16(a0, rows.res[i] >= 0 ? &a1v : nullptr, _mm512_maskz_loadu_ps(m, ws.data_ptr<float>() + col),
-                                    s, bp ? bp + col : nullptr, m);
-        _mm512_mask_storeu_ps(out.data_ptr<float>() + i * N + col, m, y);
+        const __m512 y = epilogue16(a0, rows.res[i] >= 0 ? &a1v : nullptr, _mm512_maskz_loadu_ps(m, wsp + col), s,
+                                    bp ? bp + col : nullptr, m);
+        _mm512_mask_storeu_ps(op + i * N + col, m, y);
       }
     }
   });
@@ -163,8 +168,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, 
   const int64_t n = x.size(0), K = x.size(1), K4 = packed.size(1), blocks = packed.size(0), N = ws.size(0);
   TORCH_CHECK(K4 * 4 >= K && K4 * 4 - K < 4, "linear: activations do not match the packed weights");
   const Rows rows = make_rows(refine, n);
-  int64_t total = n;
-  for (auto r : rows.res) total += r >= 0;
+  const int64_t total = rows.total;
   TORCH_CHECK(total <= MAX_ROWS, "linear takes at most ", MAX_ROWS, " GEMM rows");
   std::vector<int8_t> q(total * K4 * 4, 0);  // padded K stays 0
   std::vector<float> xscale(n);
