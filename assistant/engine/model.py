@@ -325,6 +325,9 @@ class Transformer:
                 attend_args = (torch.cat([s.kv_slots for s in seqs]),
                                torch.tensor([0] + [s.context_len for s in seqs]).cumsum(0),
                                torch.tensor([0] + [s.num_new for s in seqs]).cumsum(0))
+            else:  # a long prefill chunk in the step: per sequence, native where it is short
+                seq_attend = [(s.kv_slots, torch.tensor([0, s.context_len]), torch.tensor([0, s.num_new]))
+                              if s.num_new <= ATTEND_MAX_QUERIES else None for s in seqs]
         else:
             norm = lambda x, w: rms_norm(x, w, a.rms_eps)  # noqa: E731
             # queries and keys are rotated together; the queries' softmax scale rides on their tables
@@ -347,11 +350,10 @@ class Transformer:
                 out = attention(q, *kv.read(i, seqs[0].kv_slots))
             else:
                 out = torch.empty_like(q)
-                for s in seqs:
+                for j, s in enumerate(seqs):
                     span = slice(s.start, s.start + s.num_new)
-                    if ops is not None and s.num_new <= ATTEND_MAX_QUERIES:
-                        out[span] = ops.attend(q[span], kv.k[i], kv.v[i], s.kv_slots, torch.tensor([0, s.context_len]),
-                                               torch.tensor([0, s.num_new]))
+                    if ops is not None and seq_attend[j] is not None:
+                        out[span] = ops.attend(q[span], kv.k[i], kv.v[i], *seq_attend[j])
                     else:
                         out[span] = attention(q[span], *kv.read(i, s.kv_slots))  # (ctx, KVH, hd) each
             h = h + layer["o"](out.reshape(-1, q_size), rows)
