@@ -13,6 +13,8 @@ Figures (each a ratio measured in this run; absolute times swing 2-3x on a share
   prefix_miss_overhead         time with prefix cache on at 0% hits / off, minus 1   (goal <= 0.02)
   int8_top1_agreement          next-token top-1 agreement of int8 vs fp32 along fp32's greedy answers, fed
                                through decode steps (quality; and how many greedy answers are identical)
+  screened_head_same_argmax    rows of that run where the screened greedy head (greedy decode reads half the
+                               lm_head bytes) has the full int8 head's argmax and exact logits (goal: all)
 
   python bench/engine.py [--threads 2] [--quick] [--build-llamacpp]
 
@@ -115,10 +117,12 @@ def llamacpp_decode_rate(gguf: Path, prompt_text: str, threads: int, new_tokens:
 
 
 def decode_weight_mb(engine) -> float:
-    """Weight bytes one decode step reads in the lean model (every linear; one embedding row is noise)."""
+    """Weight bytes one greedy decode step reads in the lean model (every linear, the lm_head through its
+    4-bit screen where there is one; the candidates' rows and one embedding row are noise)."""
     m = engine.model
-    linears = [m.lm_head] + [layer[n] for layer in m.layers for n in ("qkv", "o", "gate_up", "down")]
-    return sum(lin.weight.numel() * lin.weight.element_size() for lin in linears) / 1e6
+    layers = [layer[n] for layer in m.layers for n in ("qkv", "o", "gate_up", "down")]
+    head = m.lm_head.screen[0] if m.lm_head.screen is not None else m.lm_head.weight
+    return sum(t.numel() * t.element_size() for t in [head] + [lin.weight for lin in layers]) / 1e6
 
 
 def gguf_decode_mb(gguf: Path | None) -> float | None:
@@ -184,18 +188,33 @@ def prefix_ttft(engine, words: int) -> tuple[float, float]:
     return cold, warm
 
 
-def int8_agreement(fp32: LocalEngine, int8: LocalEngine, num_tokens: int) -> tuple[float, int]:
+def int8_agreement(fp32: LocalEngine, int8: LocalEngine, num_tokens: int) -> dict[str, object]:
     """Next-token top-1 agreement with fp32 along fp32's own greedy continuations, and exact greedy matches.
 
     Teacher-forced through *decode* steps (the prompt is prefilled, then fp32's tokens are fed one per
     step as generated tokens), so it measures the kernels that generate answers, not only the prefill
-    ones. Runs the int8 model directly with its own KV cache, beside the engine thread."""
+    ones. Runs the int8 model directly with its own KV cache, beside the engine thread. On the same rows
+    it checks the screened greedy head (`Linear.greedy_logits`) against the full int8 head: its argmax
+    must be the same on every row, and its finite logits bit-identical."""
     from assistant.engine.kv_cache import KVCache
     from assistant.engine.model import SeqBatch
 
-    agree = total = exact = 0
+    agree = total = exact = screened_same = 0
     params = SamplingParams(max_tokens=num_tokens)
     model, a = int8.model, int8.model.args
+    head = model.lm_head
+    rows_before, cands_before = head.screened_rows, head.screened_candidates
+
+    def step(tokens: list[int], start: int, seq: SeqBatch, kv: KVCache) -> torch.Tensor:
+        nonlocal screened_same
+        x = model.last_hidden(torch.tensor(tokens), torch.arange(start, start + len(tokens)), [seq], kv)
+        full = head(x).float()
+        if head.screen is not None:
+            screened = head.greedy_logits(x, torch.ones(1, dtype=torch.bool))
+            finite = torch.isfinite(screened)
+            screened_same += int(screened.argmax()) == int(full.argmax()) and torch.equal(screened[finite], full[finite])
+        return full
+
     for q in QUESTIONS:
         ref = [t for d in fp32.generate(chat(q), params) for t in d.token_ids]
         got = [t for d in int8.generate(chat(q), params) for t in d.token_ids]
@@ -205,15 +224,18 @@ def int8_agreement(fp32: LocalEngine, int8: LocalEngine, num_tokens: int) -> tup
         kv = KVCache(a.num_layers, len(ids) // 16 + 1, 16, a.num_kv_heads, a.head_dim, model.dtype, int8.device)
         slots = torch.arange(len(ids))
         with torch.inference_mode():
-            logits = model.forward(torch.tensor(ids[:prompt_len]), torch.arange(prompt_len),
-                                   [SeqBatch(0, prompt_len, prompt_len, slots[:prompt_len], prompt_len)], kv)
+            logits = step(ids[:prompt_len], 0, SeqBatch(0, prompt_len, prompt_len, slots[:prompt_len], prompt_len), kv)
             for i in range(len(ref)):
                 agree += int(logits[0].argmax()) == ref[i]
                 total += 1
                 pos = prompt_len + i
-                logits = model.forward(torch.tensor([ids[pos]]), torch.tensor([pos]),
-                                       [SeqBatch(0, 1, pos + 1, slots[:pos + 1], prompt_len)], kv)
-    return agree / total, exact
+                logits = step([ids[pos]], pos, SeqBatch(0, 1, pos + 1, slots[:pos + 1], prompt_len), kv)
+    rows = head.screened_rows - rows_before
+    out: dict[str, object] = {"int8_top1_agreement": round(agree / total, 4), "int8_greedy_exact": f"{exact}/{len(QUESTIONS)}"}
+    if rows:
+        out["screened_head_same_argmax"] = f"{screened_same}/{total + len(QUESTIONS)}"
+        out["screened_head_mean_candidates"] = round((head.screened_candidates - cands_before) / rows, 1)
+    return out
 
 
 def main() -> None:
@@ -311,10 +333,15 @@ def main() -> None:
     # 5. int8 quality vs fp32
     if engine.quantize == "int8":
         fp32 = LocalEngine(load_model(config), replace(config.engine, quantize="none"))
-        agreement, exact = int8_agreement(fp32, engine, 12 if args.quick else 24)
+        quality = int8_agreement(fp32, engine, 12 if args.quick else 24)
         fp32.close()
-        results.update(int8_top1_agreement=round(agreement, 4), int8_greedy_exact=f"{exact}/{len(QUESTIONS)}")
-        print(f"int8 vs fp32: top-1 agreement {agreement:.3f}, identical greedy answers {exact}/{len(QUESTIONS)}")
+        results.update(quality)
+        print(f"int8 vs fp32: top-1 agreement {quality['int8_top1_agreement']:.3f}, identical greedy answers "
+              f"{quality['int8_greedy_exact']}")
+        if "screened_head_same_argmax" in quality:
+            print(f"screened greedy head vs full int8 head: same argmax and exact logits on "
+                  f"{quality['screened_head_same_argmax']} rows, {quality['screened_head_mean_candidates']} candidates "
+                  f"per row on average (of {engine.model.args.vocab_size})")
     results["engine_stats"] = engine.stats()
     engine.close()
     print(json.dumps(results))

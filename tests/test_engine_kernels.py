@@ -151,6 +151,49 @@ def test_native_kernel_pads_odd_shapes(monkeypatch):
     assert ((one_pass(int8, x).double() - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
+@pytest.mark.parametrize("shape,with_bias", [((5003, 96), False), ((333, 30), True)])
+def test_screened_greedy_head_has_the_full_heads_argmax_and_exact_logits(shape, with_bias, monkeypatch):
+    """The greedy lm_head (csrc/lm_head.cpp) reads a 4-bit screen and rescores its candidates exactly:
+    every row's argmax and every finite logit must be the full int8 layer's, for more rows than one
+    kernel call takes and for shapes that need padding."""
+    torch.manual_seed(5)
+    weight = torch.randn(*shape) * 0.05
+    int8 = make_linear(weight, torch.randn(shape[0]) * 0.01 if with_bias else None, "native", monkeypatch)
+    int8.prepare_greedy()
+    winners = [7, 99, shape[0] - 1, 0, 123]
+    x = torch.randn(12, shape[1])
+    x[:5] = weight[winners] * 40  # peaked rows: one token clearly wins, as in most decode steps
+    full = int8(x)
+    got = int8.greedy_logits(x, torch.ones(12, dtype=torch.bool))
+    finite = torch.isfinite(got)
+    assert torch.equal(got.argmax(1), full.argmax(1))
+    assert got.argmax(1)[:5].tolist() == winners
+    assert torch.equal(got[finite], full[finite])
+    assert (finite.sum(1) >= 1).all() and (finite[:5].sum(1) < shape[0] // 10).all()  # it screens
+    assert int8.screened_rows == 12 and int8.screened_candidates == int(finite.sum())
+
+
+def test_screened_greedy_head_leaves_sampled_rows_to_the_full_layer(monkeypatch):
+    torch.manual_seed(6)
+    weight = torch.randn(700, 64) * 0.05
+    int8 = make_linear(weight, None, "native", monkeypatch)
+    int8.prepare_greedy()
+    x = torch.randn(4, 64)
+    greedy = torch.tensor([True, False, True, False])
+    got, full = int8.greedy_logits(x, greedy), int8(x)
+    assert torch.equal(got[~greedy], full[~greedy]) and torch.isfinite(got[~greedy]).all()
+    assert torch.equal(got[greedy].argmax(1), full[greedy].argmax(1))
+    assert not torch.isfinite(got[greedy]).all()
+
+
+def test_greedy_head_without_the_native_kernel_is_the_full_layer(weights, monkeypatch):
+    weight, bias = weights
+    int8 = make_linear(weight, bias, "fbgemm", monkeypatch)
+    int8.prepare_greedy()
+    x = torch.randn(3, 256)
+    assert int8.screen is None and torch.equal(int8.greedy_logits(x, torch.ones(3, dtype=torch.bool)), int8(x))
+
+
 def test_mixed_step_without_fbgemm_computes_prompt_and_decode_rows_with_their_own_kernels(weights, monkeypatch):
     weight, bias = weights
     monkeypatch.setattr(model_module, "int8_kernels", lambda: None)

@@ -223,3 +223,33 @@ def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, 
     for logits, pos in zip(got, (5, 9, 10)):
         scale = want[pos].abs().max()
         assert (logits - want[pos]).abs().max() / scale < tolerance, pos
+
+
+def test_greedy_rows_get_the_full_heads_argmax(tiny_config):
+    """forward(greedy=...) hands greedy rows the screened lm_head (native int8): along a greedy
+    decode the argmax and the finite logits are the full head's at every step."""
+    import torch
+
+    from assistant.engine import native
+    from assistant.engine.kv_cache import KVCache
+    from assistant.engine.loading import load_model
+    from assistant.engine.model import SeqBatch, Transformer
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    lean = Transformer.from_hf(load_model(tiny_config).model, quantize="int8")
+    assert lean.lm_head.screen is not None
+    a = lean.args
+    kv = KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
+    slots = torch.arange(32)
+    tokens, start = [11, 22, 33, 44, 55], 0
+    with torch.inference_mode():
+        for _ in range(6):  # the prompt, then decode steps; both calls write the same keys and values
+            end = start + len(tokens)
+            seq = SeqBatch(0, len(tokens), end, slots[:end], prompt_len=5)
+            args = (torch.tensor(tokens), torch.arange(start, end), [seq], kv)
+            full, screened = lean.forward(*args), lean.forward(*args, greedy=[True])
+            finite = torch.isfinite(screened)
+            assert int(screened.argmax()) == int(full.argmax())
+            assert torch.equal(screened[finite], full[finite]) and 0 < int(finite.sum()) < a.vocab_size
+            tokens, start = [int(full.argmax())], end

@@ -219,7 +219,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             positions.extend(range(start, start + n))
         with torch.inference_mode():
             return self.model.forward(torch.tensor(tokens, device=self.device),
-                                      torch.tensor(positions, device=self.device), seqs, self.kv)
+                                      torch.tensor(positions, device=self.device), seqs, self.kv,
+                                      greedy=[r.params.temperature == 0 for r, _ in scheduled])
 
     def _process(self, scheduled: list[tuple[Request, int]], logits: Any) -> None:
         with self._cond:

@@ -37,6 +37,15 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     and prompt rows `_int_mm`: the kernel is then chosen per token (prompt or generated), never by
     batch size.
 In every case the int8 weights are held twice (the GEMV layout and `_int_mm`'s); decode reads one.
+
+Greedy rows (temperature 0, the default) need only the argmax of the lm_head, which is a quarter of a
+decode step's bytes (136 of 494 MB for Qwen2.5-0.5B). With the native kernels the head also keeps a
+4-bit copy of its weights' high nibbles (+68 MB); `Linear.greedy_logits` streams that, keeps every
+token that could still win (a margin of SCREEN_Z standard deviations of the dropped low nibbles'
+contribution) and computes those candidates exactly, bit for bit the full head's logits
+(csrc/lm_head.cpp has the design note). On the bench's rows: median 2 candidates, the largest
+normalized error seen 5.4 of the 8 allowed, the argmax the full head's on every row; the head costs
+~6 ms instead of ~11. Sampled rows use the full head.
 """
 
 from __future__ import annotations
@@ -93,6 +102,7 @@ def unsupported_reason(hf_config: Any) -> str | None:
 
 ATTEND_MAX_QUERIES = 8  # native attention up to this many new tokens of a sequence (faster there), SDPA beyond
 FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the module docstring)
+SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard deviations (csrc/lm_head.cpp)
 
 
 class Linear:
@@ -101,7 +111,8 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype):
         self.bias = None if bias is None else bias.to(dtype)
         self.int8 = quantize == "int8"
-        self.packed = self.native = None
+        self.packed = self.native = self.screen = None
+        self.screened_rows = self.screened_candidates = 0  # statistics of `greedy_logits`
         if self.int8:
             w = weight.float()
             self.scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,) fp32
@@ -170,6 +181,29 @@ class Linear:
             return self.native.linear(x, self.vnni, self.comp, self.scale, self.bias, refine)
         xq, x_scale = self.native.quantize(x, refine)
         return self.native.finish(torch._int_mm(xq, self.weight.t()), self.scale, x_scale, refine, self.bias)
+
+    def prepare_greedy(self) -> None:
+        """Pack the 4-bit screening copy for `greedy_logits` (native int8 only; +half the int8 bytes)."""
+        if self.native is not None:
+            packed, hcomp, mean, sd = self.native.head_pack(self.weight)
+            self.screen = (packed, hcomp, mean, (sd * self.scale).contiguous())
+
+    def greedy_logits(self, x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+        """Logits whose argmax is the full layer's for the rows in `greedy` (bool (n,)), reading half the
+        bytes: exact values for the screened candidates, -inf for the rest (csrc/lm_head.cpp); other
+        rows get the full layer. Used for the lm_head of greedy decode rows."""
+        if self.screen is None or not bool(greedy.any()):
+            return self(x)
+        packed, hcomp, mean, margin = self.screen
+        logits, counts = self.native.head_greedy(x[greedy] if not bool(greedy.all()) else x, packed, hcomp, mean, margin,
+                                                 self.weight, self.comp, self.scale, self.bias, SCREEN_Z)
+        self.screened_rows += counts.numel()
+        self.screened_candidates += int(counts.sum())
+        if bool(greedy.all()):
+            return logits
+        out = x.new_empty(x.size(0), self.weight.size(0))
+        out[greedy], out[~greedy] = logits, self(x[~greedy])
+        return out
 
     def _weight_only(self, x: torch.Tensor) -> torch.Tensor:  # the fallback decode kernel without fbgemm
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale.to(torch.bfloat16)).to(x.dtype)
@@ -275,6 +309,7 @@ class Transformer:
         self.embed = get("model.embed_tokens.weight").to(dtype)  # (V, D)
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
         self.lm_head = Linear(head.to(device), None, quantize, dtype)
+        self.lm_head.prepare_greedy()
         self.norm = get("model.norm.weight").to(dtype)
         self.layers = []
         for i in range(args.num_layers):
@@ -305,8 +340,20 @@ class Transformer:
         return cls(args, dict(hf_model.state_dict()), quantize=quantize, dtype=param.dtype, device=param.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
-                kv: Any) -> torch.Tensor:
+                kv: Any, greedy: Sequence[bool] | None = None) -> torch.Tensor:
         """tokens, positions (T,) -> logits (B, V) at the last new token of each sequence.
+
+        `greedy[b]`: sequence b only needs its argmax, so its row may come from the screened head
+        (`Linear.greedy_logits`: the same argmax, -inf for tokens that cannot win).
+        """
+        x = self.last_hidden(tokens, positions, seqs, kv)
+        if greedy is not None:
+            return self.lm_head.greedy_logits(x, torch.tensor(list(greedy), dtype=torch.bool)).float()
+        return self.lm_head(x).float()  # (B, V)
+
+    def last_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
+                    kv: Any) -> torch.Tensor:
+        """The normalized hidden state (B, D) at the last new token of each sequence (the lm_head's input).
 
         Writes this step's keys/values into `kv` (slots = the last `num_new` of each seq's kv_slots).
         A sequence with at most ATTEND_MAX_QUERIES new tokens attends through the native `attend` whether
@@ -360,7 +407,7 @@ class Transformer:
             gate, up = layer["gate_up"](norm(h, layer["mlp_norm"]), rows).chunk(2, dim=-1)
             h = h + layer["down"](F.silu(gate) * up, rows)
         last = torch.tensor([s.start + s.num_new - 1 for s in seqs], device=h.device)
-        return self.lm_head(norm(h[last], self.norm)).float()  # (B, V)
+        return norm(h[last], self.norm)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,11 @@ every GEMV while the thread streaming tokens to the client waited (engine decode
 The GEMV itself (AVX-512 VNNI `vpdpbusd`, weights packed 64 outputs x 4 inputs per 256 bytes) is
 not faster than fbgemm's on one isolated row when the machine is quiet (gate_up 0.73 vs 0.48 ms),
 but it reads two rows for 3-10% more than one (fbgemm: 15-20% more) and stayed at 31-44 ms for all
-97 GEMVs across runs where fbgemm's swung 24-89 ms.
+97 GEMVs across runs where fbgemm's swung 24-89 ms. Measured later, with the whole model's weights
+streamed (494 MB): a plain AVX-512 read of as many bytes ran at 13.3 GB/s, the 97 GEMVs at 11.2-11.6
+GB/s, one thread or two alike. The kernel is within ~15% of the machine's bandwidth; fewer bytes is
+what remains, hence csrc/lm_head.cpp: greedy rows screen the lm_head with a 4-bit copy and compute
+only the candidates exactly (model.py says what it saves).
 It keeps the engine's arithmetic exactly (integer dot products, one float epilogue in a fixed
 order, built with -ffp-contract=off), so prefill rows through `quantize` + `torch._int_mm` +
 `finish` are bit-identical to decode rows through `linear`, and batching never changes a row.
@@ -35,7 +39,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.cpp", "lm_head.cpp", "layer_ops.cpp")]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off"]
 

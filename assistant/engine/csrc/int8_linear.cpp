@@ -13,37 +13,19 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cmath>
 #include <vector>
+
+#include "int8_common.h"
 
 namespace {
 
-constexpr int64_t BLOCK = 64;    // outputs per packed block: 4 zmm accumulators of 16 int32
-constexpr int64_t MAX_ROWS = 8;  // GEMM rows one kernel call takes (activation + residual rows)
+using int8k::BLOCK;
+using int8k::MAX_ROWS;
+using int8k::epilogue16;
+using int8k::quantize_row;
+using int8k::tail_mask;
+
 constexpr int64_t PREFETCH = 8192;  // bytes ahead of the weight stream (measured: 4-8 KB best here)
-
-// Per-row quantization into u8 (q + 128) for the VNNI kernel (u8 x s8) or s8 for torch._int_mm.
-void quantize_row(const float* x, int64_t K, float* scale_out, int8_t* q_out, int8_t* r_out) {
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float s = std::max(amax, 1e-8f) / 127.f;
-  *scale_out = s;
-  for (int64_t k = 0; k < K; ++k) {
-    const float u = x[k] / s;
-    const float q = std::nearbyint(u);
-    q_out[k] = static_cast<int8_t>(q);
-    if (r_out) r_out[k] = static_cast<int8_t>(std::nearbyint((u - q) * 254.f));
-  }
-}
-
-// y[0:16] for one row from int32 accumulators (a1 == nullptr: one-pass row).
-inline __m512 epilogue16(__m512i a0, const __m512i* a1, __m512 ws, __m512 s, const float* bias, __mmask16 m) {
-  __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(a0), ws);
-  if (a1) y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(*a1), ws), _mm512_set1_ps(1.f / 254.f)));
-  y = _mm512_mul_ps(y, s);
-  if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, bias));
-  return y;
-}
 
 // One block of 64 outputs for R rows: weights packed as (K4, 64, 4) int8, x as R rows of K4 u8x4 words.
 template <int R>
@@ -72,10 +54,6 @@ struct Rows {
   std::vector<int64_t> res;   // res[i]: index of row i's residual row among the GEMM rows, or -1
   int64_t total;              // GEMM rows: activation rows + residual rows
 };
-
-inline __mmask16 tail_mask(int64_t remaining) {  // lanes of a 16-wide chunk that lie inside the row
-  return remaining >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << remaining) - 1);
-}
 
 template <int R>
 void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64_t K4, const int32_t* comp,
@@ -195,6 +173,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, 
   return out;
 }
 
+// lm_head.cpp
+std::vector<torch::Tensor> head_pack(torch::Tensor w);
+std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor hcomp, torch::Tensor mean,
+                                       torch::Tensor margin, torch::Tensor weight, torch::Tensor comp, torch::Tensor ws,
+                                       c10::optional<torch::Tensor> bias, double z);
 // layer_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
@@ -208,6 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize", &quantize, nogil, "rows -> int8 GEMM rows (with residual rows) and row scales");
   m.def("finish", &finish, nogil, "int32 accumulators -> fp32 outputs");
   m.def("linear", &linear, nogil, "fused decode linear (quantize, VNNI GEMV, epilogue)");
+  m.def("head_pack", &head_pack, nogil, "int8 head -> its 4-bit high nibbles (VNNI layout) and low-nibble statistics");
+  m.def("head_greedy", &head_greedy, nogil, "greedy rows: exact logits of the screened candidates, -inf elsewhere");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm over rows");
   m.def("rope_store", &rope_store, nogil, "rotary embedding of q and k, k and v written to the KV cache");
   m.def("attend", &attend, nogil, "causal attention of a step's queries over paged KV slots");
