@@ -257,11 +257,12 @@ def _reference_attention(q, k, v, n):
     return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)
 
 
-def test_native_attention_matches_causal_softmax_over_scattered_slots(ops):
+@pytest.mark.parametrize("heads,kv_heads,hd,longest", [(6, 2, 32, 20), (12, 1, 64, 90)])
+def test_native_attention_matches_causal_softmax_over_scattered_slots(ops, heads, kv_heads, hd, longest):
     torch.manual_seed(5)
-    heads, kv_heads, hd, cache = 6, 2, 32, 64
+    cache = 128
     kc, vc = torch.randn(cache, kv_heads, hd), torch.randn(cache, kv_heads, hd)
-    seqs = [(torch.randperm(cache)[:20], 1), (torch.randperm(cache)[:9], 4), (torch.randperm(cache)[:3], 3)]
+    seqs = [(torch.randperm(cache)[:longest], 1), (torch.randperm(cache)[:9], 4), (torch.randperm(cache)[:3], 3)]
     q = torch.randn(sum(n for _, n in seqs), heads, hd)
     kv_off = torch.tensor([0] + [len(s) for s, _ in seqs]).cumsum(0)
     q_off = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
@@ -298,3 +299,12 @@ def test_native_rms_norm_matches_pytorch(ops):
     torch.manual_seed(7)
     x, w = torch.randn(5, 96) * 3, torch.rand(96)
     assert torch.allclose(ops.rms_norm(x, w, 1e-6), model_module.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_native_swiglu_matches_silu_times_up(ops):
+    torch.manual_seed(8)
+    gate_up = torch.randn(3, 2 * 37) * 8  # 37: not a multiple of the 16-wide vectors
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -87.5])
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate.double()) * up.double())
+    assert torch.allclose(ops.swiglu(gate_up).double(), want, rtol=1e-6, atol=1e-30)

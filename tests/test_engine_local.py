@@ -253,3 +253,37 @@ def test_greedy_rows_get_the_full_heads_argmax(tiny_config):
             assert int(screened.argmax()) == int(full.argmax())
             assert torch.equal(screened[finite], full[finite]) and 0 < int(finite.sum()) < a.vocab_size
             tokens, start = [int(full.argmax())], end
+
+
+def test_native_layer_stack_equals_the_python_layer_loop(tiny_config):
+    """csrc/decode_stack.cpp runs a natively attending step's layers in one call: its outputs (and the
+    keys and values it writes) must be bit-identical to model.py's layer loop over the same kernels,
+    for a prompt chunk, and for a step that decodes one sequence while another takes a small chunk."""
+    import torch
+
+    from assistant.engine import native
+    from assistant.engine.kv_cache import KVCache
+    from assistant.engine.loading import load_model
+    from assistant.engine.model import SeqBatch, Transformer
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    lean = Transformer.from_hf(load_model(tiny_config).model, quantize="int8")
+    stack = lean.stack
+    assert stack is not None
+    a = lean.args
+    caches = [KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, torch.float32, "cpu") for _ in range(2)]
+    first, second = torch.arange(0, 12), torch.arange(12, 24)
+    steps = [  # (tokens, positions, seqs)
+        ([3, 1, 4, 1, 5, 9], [0, 1, 2, 3, 4, 5], [SeqBatch(0, 6, 6, first[:6], prompt_len=6)]),
+        ([2, 6, 5, 3, 5, 8], [6, 0, 1, 2, 3, 4], [SeqBatch(0, 1, 7, first[:7], prompt_len=6),
+                                                  SeqBatch(1, 5, 5, second[:5], prompt_len=9)]),
+    ]
+    with torch.inference_mode():
+        for tokens, positions, seqs in steps:
+            outs = []
+            for kv, use_stack in zip(caches, (True, False)):
+                lean.stack = stack if use_stack else None
+                outs.append(lean.forward(torch.tensor(tokens), torch.tensor(positions), seqs, kv))
+            assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(x, y) for x, y in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))

@@ -100,6 +100,7 @@ def unsupported_reason(hf_config: Any) -> str | None:
     return None
 
 
+LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the order csrc/decode_stack.cpp takes them
 ATTEND_MAX_QUERIES = 8  # native attention up to this many new tokens of a sequence (faster there), SDPA beyond
 FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the module docstring)
 SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard deviations (csrc/lm_head.cpp)
@@ -330,8 +331,17 @@ class Transformer:
         scales = [args.head_dim ** -0.5] * args.num_heads + [1.0] * args.num_kv_heads
         self.head_scale = torch.tensor(scales, device=device).view(-1, 1)  # (H + KVH, 1): pre-scaled queries
         # fused layer ops (native.py): RMSNorm, RoPE + KV write, paged causal attention; fp32 on CPU
-        native_ok = torch.device(device).type == "cpu" and dtype == torch.float32 and args.head_dim % 16 == 0
+        native_ok = (torch.device(device).type == "cpu" and dtype == torch.float32 and args.head_dim % 16 == 0
+                     and args.head_dim <= 256)
         self.ops = int8_kernels() if native_ok else None
+        # steps where every sequence attends natively run all layers in one call (csrc/decode_stack.cpp)
+        self.stack = None
+        if self.ops is not None and all(layer[n].native is not None for layer in self.layers for n in LINEARS):
+            def tensors(lin: Linear) -> list[torch.Tensor]:
+                return [lin.vnni, lin.comp, lin.scale, lin.weight, torch.empty(0) if lin.bias is None else lin.bias]
+
+            self.stack = self.ops.DecodeStack([[layer["attn_norm"], layer["mlp_norm"],
+                                                *(t for n in LINEARS for t in tensors(layer[n]))] for layer in self.layers])
 
     @classmethod
     def from_hf(cls, hf_model: Any, *, quantize: str | None = None) -> "Transformer":
@@ -381,8 +391,12 @@ class Transformer:
             cos = self.cos[positions].unsqueeze(1) * self.head_scale  # (T, H + KVH, hd)
             sin = self.sin[positions].unsqueeze(1) * self.head_scale
         h = self.embed[tokens]  # (T, D)
+        stacked = self.stack is not None and native_attention
+        if stacked:  # the loop below, in one native call
+            h = self.stack.run(h, cos, sin, new_slots, kv.k, kv.v, *attend_args, rows.refine, rows.num_refined,
+                               a.rms_eps, a.num_heads, a.num_kv_heads, a.head_dim ** -0.5)
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(() if stacked else self.layers):
             qkv = layer["qkv"](norm(h, layer["attn_norm"]), rows)
             if ops is not None:
                 q = ops.rope_store(qkv, cos, sin, a.num_heads, a.num_kv_heads, a.head_dim ** -0.5, kv.k[i], kv.v[i],
@@ -404,8 +418,13 @@ class Transformer:
                     else:
                         out[span] = attention(q[span], *kv.read(i, s.kv_slots))  # (ctx, KVH, hd) each
             h = h + layer["o"](out.reshape(-1, q_size), rows)
-            gate, up = layer["gate_up"](norm(h, layer["mlp_norm"]), rows).chunk(2, dim=-1)
-            h = h + layer["down"](F.silu(gate) * up, rows)
+            gate_up = layer["gate_up"](norm(h, layer["mlp_norm"]), rows)
+            if ops is not None:
+                act = ops.swiglu(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            h = h + layer["down"](act, rows)
         last = torch.tensor([s.start + s.num_new - 1 for s in seqs], device=h.device)
         return norm(h[last], self.norm)
 

@@ -1,5 +1,5 @@
-// Shared by the int8 kernels (int8_linear.cpp, lm_head.cpp): the row quantization and the float epilogue that
-// every path uses, so that a row's output never depends on the kernel that computed it.
+// Shared by the native kernels (csrc/*.cpp): the row quantization and the float epilogue that every int8 path
+// uses, so that a row's output never depends on the kernel that computed it; a vectorized exp.
 #pragma once
 #include <immintrin.h>
 
@@ -42,6 +42,18 @@ inline float epilogue1(int32_t a0, int32_t a1, float ws, float s, const float* b
   y = y + (static_cast<float>(a1) * ws) * RESIDUAL_STEP;
   y = y * s;
   return bias ? y + *bias : y;
+}
+
+// exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, degree-7 Taylor polynomial (relative error < 2e-7), times 2^n.
+// Inputs are clamped to [-87.3, 88.7] so the result stays finite and positive.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2 split in two: exact n * hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
 }
 
 inline __mmask16 tail_mask(int64_t remaining) {  // lanes of a 16-wide chunk that lie inside the row

@@ -184,6 +184,9 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
                          double q_scale, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor kv_off,
                      torch::Tensor q_off);
+torch::Tensor swiglu(torch::Tensor gu);
+// decode_stack.cpp
+void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();  // steps run on the engine thread
@@ -196,5 +199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm over rows");
   m.def("rope_store", &rope_store, nogil, "rotary embedding of q and k, k and v written to the KV cache");
   m.def("attend", &attend, nogil, "causal attention of a step's queries over paged KV slots");
+  m.def("swiglu", &swiglu, nogil, "silu(gate) * up over (T, 2F) rows");
+  register_decode_stack(m);
   m.attr("MAX_ROWS") = MAX_ROWS;
 }

@@ -1,5 +1,5 @@
 // The small per-layer operations of a decode step, fused (see assistant/engine/native.py for why):
-// RMSNorm, rotary embedding + KV-cache write, and single-query attention over paged KV slots.
+// RMSNorm, rotary embedding + KV-cache write, causal attention over paged KV slots, SwiGLU.
 // fp32 only; every path of the model (prefill, decode, batched or not) calls these same functions,
 // so a sequence's numbers never depend on what else is in the step.
 #include <torch/extension.h>
@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "int8_common.h"
 
 namespace {
 
@@ -77,7 +79,10 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 // Causal attention of a step's queries over paged KV: q (T, H, hd), already scaled. Sequence b owns query
 // rows q_off[b] .. q_off[b + 1] (its newest positions) and context slots slots[kv_off[b] .. kv_off[b + 1]];
 // its j-th of n queries sees the first ctx - n + j + 1 of them (the cache already holds this step's keys).
-// One work item per (query row, kv head), so a row's result does not depend on the rest of the step.
+// One work item per (query row, kv head), so a row's result does not depend on the rest of the step; its G
+// query heads share each key load, and the softmax uses the vectorized exp. Measured against one head per
+// pass with a scalar exp (Qwen2.5-0.5B shapes, one decode query, same run): 82 -> 43 us at 300 keys,
+// 505 -> 306 us at 1,500.
 torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor kv_off,
                      torch::Tensor q_off) {
   q = q.contiguous();
@@ -97,6 +102,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t V = hd / 16;
+  // one work item per (query row, kv head): its G query heads share every key and value load
   at::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p;
     for (int64_t i = i0; i < i1; ++i) {
@@ -104,32 +110,70 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
       const int64_t n = qo[b + 1] - qo[b], ctx = kvo[b + 1] - kvo[b];
       const int64_t visible = ctx - n + (t - qo[b]) + 1;
       const int64_t* ctx_slots = sl + kvo[b];
-      p.resize(visible);
-      for (int64_t j = 0; j < G; ++j) {
-        const int64_t h = g * G + j;
-        const float* qh = qp + (t * H + h) * hd;
-        __m512 qv[16];
-        for (int64_t v = 0; v < V; ++v) qv[v] = _mm512_loadu_ps(qh + 16 * v);
-        float mx = -INFINITY;
-        for (int64_t c = 0; c < visible; ++c) {
-          const float* k = kp + (ctx_slots[c] * KVH + g) * hd;
-          __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-          for (int64_t v = 1; v < V; ++v) acc = _mm512_add_ps(acc, _mm512_mul_ps(qv[v], _mm512_loadu_ps(k + 16 * v)));
-          p[c] = hsum(acc);
-          mx = std::max(mx, p[c]);
+      const float* qg = qp + (t * H + g * G) * hd;  // the group's G query heads, hd apart
+      p.resize(G * visible);
+      for (int64_t c = 0; c < visible; ++c) {  // scores p[j * visible + c] = q_j . k_c
+        const float* k = kp + (ctx_slots[c] * KVH + g) * hd;
+        __m512 kv[16];
+        for (int64_t v = 0; v < V; ++v) kv[v] = _mm512_loadu_ps(k + 16 * v);
+        for (int64_t j = 0; j < G; ++j) {
+          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg + j * hd), kv[0]);
+          for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + j * hd + 16 * v), kv[v], acc);
+          p[j * visible + c] = hsum(acc);
         }
-        float total = 0.f;
-        for (int64_t c = 0; c < visible; ++c) total += (p[c] = std::exp(p[c] - mx));
-        const __m512 inv = _mm512_set1_ps(1.f / total);
+      }
+      std::vector<float> inv(G);
+      for (int64_t j = 0; j < G; ++j) {  // softmax numerators, 16 keys at a time
+        float* pj = p.data() + j * visible;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t c = 0; c < visible; c += 16) {
+          const __mmask16 tm = int8k::tail_mask(visible - c);
+          mx = _mm512_mask_max_ps(mx, tm, mx, _mm512_maskz_loadu_ps(tm, pj + c));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t c = 0; c < visible; c += 16) {
+          const __mmask16 tm = int8k::tail_mask(visible - c);
+          const __m512 e = _mm512_maskz_mov_ps(tm, int8k::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tm, pj + c), m)));
+          _mm512_mask_storeu_ps(pj + c, tm, e);
+          total = _mm512_add_ps(total, e);
+        }
+        inv[j] = 1.f / _mm512_reduce_add_ps(total);
+      }
+      for (int64_t j = 0; j < G; ++j) {  // weighted values, one head at a time (accumulators stay in registers)
+        const float* pj = p.data() + j * visible;
         __m512 o[16];
         for (int64_t v = 0; v < V; ++v) o[v] = _mm512_setzero_ps();
         for (int64_t c = 0; c < visible; ++c) {
           const float* val = vp + (ctx_slots[c] * KVH + g) * hd;
-          const __m512 pc = _mm512_set1_ps(p[c]);
-          for (int64_t v = 0; v < V; ++v) o[v] = _mm512_add_ps(o[v], _mm512_mul_ps(pc, _mm512_loadu_ps(val + 16 * v)));
+          const __m512 pc = _mm512_set1_ps(pj[c]);
+          for (int64_t v = 0; v < V; ++v) o[v] = _mm512_fmadd_ps(pc, _mm512_loadu_ps(val + 16 * v), o[v]);
         }
-        float* dst = op + (t * H + h) * hd;
-        for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(o[v], inv));
+        float* dst = op + (t * H + g * G + j) * hd;
+        for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(o[v], _mm512_set1_ps(inv[j])));
+      }
+    }
+  });
+  return out;
+}
+
+// gate_up (T, 2F) -> silu(gate) * up (T, F), silu(g) = g / (1 + exp(-g)).
+torch::Tensor swiglu(torch::Tensor gu) {
+  gu = gu.contiguous();
+  const int64_t T = gu.size(0), F = gu.size(1) / 2;
+  auto out = torch::empty({T, F}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = gp + t * 2 * F;
+      const float* u = g + F;
+      for (int64_t f = 0; f < F; f += 16) {
+        const __mmask16 m = int8k::tail_mask(F - f);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + f);
+        const __m512 e = int8k::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_mask_storeu_ps(op + t * F + f, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + f)));
       }
     }
   });

@@ -1,0 +1,88 @@
+// The decoder layers of a step whose sequences all attend natively (decode steps, small chunks), in one
+// call: the same kernels, in the same order, as model.py's layer loop, without ~100 Python-level calls and
+// ~40 small PyTorch ops per step (see assistant/engine/native.py for the measurements).
+#include <torch/extension.h>
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "int8_common.h"
+
+// int8_linear.cpp
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor ws,
+                     c10::optional<torch::Tensor> bias, torch::Tensor refine);
+std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine);
+torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, torch::Tensor refine,
+                     c10::optional<torch::Tensor> bias);
+// layer_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
+                         double q_scale, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor kv_off,
+                     torch::Tensor q_off);
+torch::Tensor swiglu(torch::Tensor gu);
+
+namespace {
+
+struct Int8Linear {  // model.py Linear with the native kernel: VNNI layout, correction, scales, int8 rows, bias
+  torch::Tensor packed, comp, ws, weight;
+  c10::optional<torch::Tensor> bias;
+
+  // Linear._native: the fused kernel up to MAX_ROWS GEMM rows, else quantize + torch._int_mm + finish
+  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& refine, int64_t refined) const {
+    if (x.size(0) + refined <= int8k::MAX_ROWS) return linear(x, packed, comp, ws, bias, refine);
+    auto q = quantize(x, refine);
+    return finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias);
+  }
+};
+
+struct Layer {
+  torch::Tensor attn_norm, mlp_norm;
+  Int8Linear qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  // per layer: attn_norm, mlp_norm, then (packed, comp, scale, weight, bias or an empty tensor) for qkv, o,
+  // gate_up, down
+  explicit DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers) {
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 22, "DecodeStack: 22 tensors per layer");
+      auto lin = [&](size_t i) {
+        return Int8Linear{t[i], t[i + 1], t[i + 2], t[i + 3],
+                          t[i + 4].numel() ? c10::optional<torch::Tensor>(t[i + 4]) : c10::nullopt};
+      };
+      layers_.push_back(Layer{t[0], t[1], lin(2), lin(7), lin(12), lin(17)});
+    }
+  }
+
+  // h (T, D) -> h after every layer; the step's keys and values are written into kc/vc (one per layer).
+  torch::Tensor run(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor new_slots,
+                    std::vector<torch::Tensor> kc, std::vector<torch::Tensor> vc, torch::Tensor slots,
+                    torch::Tensor kv_off, torch::Tensor q_off, torch::Tensor refine, int64_t refined, double eps,
+                    int64_t H, int64_t KVH, double q_scale) const {
+    TORCH_CHECK(kc.size() == layers_.size() && vc.size() == layers_.size(), "DecodeStack: one KV cache per layer");
+    const int64_t T = h.size(0);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      auto qkv = l.qkv(rms_norm(h, l.attn_norm, eps), refine, refined);
+      auto q = rope_store(qkv, cos, sin, H, KVH, q_scale, kc[i], vc[i], new_slots);
+      auto out = attend(q, kc[i], vc[i], slots, kv_off, q_off);
+      h = h + l.o(out.reshape({T, -1}), refine, refined);
+      h = h + l.down(swiglu(l.gate_up(rms_norm(h, l.mlp_norm, eps), refine, refined)), refine, refined);
+    }
+    return h;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&>())
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "every decoder layer of a natively attending step (model.py Transformer.forward's loop)");
+}
