@@ -273,11 +273,14 @@ def test_native_layer_stack_equals_the_python_layer_loop(tiny_config):
     assert stack is not None
     a = lean.args
     caches = [KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, torch.float32, "cpu") for _ in range(2)]
-    first, second = torch.arange(0, 12), torch.arange(12, 24)
-    steps = [  # (tokens, positions, seqs)
+    first, second, third = torch.arange(0, 8), torch.arange(8, 20), torch.arange(20, 32)
+    steps = [  # (tokens, positions, seqs); the last step has more GEMM rows than `linear` takes (torch._int_mm)
         ([3, 1, 4, 1, 5, 9], [0, 1, 2, 3, 4, 5], [SeqBatch(0, 6, 6, first[:6], prompt_len=6)]),
         ([2, 6, 5, 3, 5, 8], [6, 0, 1, 2, 3, 4], [SeqBatch(0, 1, 7, first[:7], prompt_len=6),
                                                   SeqBatch(1, 5, 5, second[:5], prompt_len=9)]),
+        ([9, 7, 9, 3, 2] + list(range(40, 48)), [7, 5, 6, 7, 8] + list(range(8)),
+         [SeqBatch(0, 1, 8, first[:8], prompt_len=6), SeqBatch(1, 4, 9, second[:9], prompt_len=9),
+          SeqBatch(5, 8, 8, third[:8], prompt_len=8)]),
     ]
     with torch.inference_mode():
         for tokens, positions, seqs in steps:
