@@ -22,12 +22,16 @@ answers are no measure: `assistant chat` answers "What is 2+2?" with 4 or 6 depe
 details, and fp32 itself only repeats the question.) Prompt tokens keep one pass: prefill is
 compute-bound, and only a prompt's last token is sampled (its lm_head row gets the pass).
 Kernels, all computing exactly that arithmetic, so a row's output never depends on which one ran:
-  * native.py (default where the CPU has AVX-512 VNNI and g++ is present): up to MAX_ROWS GEMM rows
-    (decode steps, small chunks) go through one fused call (row quantization, residual rows, a VNNI
-    GEMV that streams each weight byte once for all rows, epilogue); more rows through the same
-    kernel-side quantization and epilogue around `torch._int_mm` (oneDNN), which is 2-2.5x faster
-    at 16+ rows. Decode step, Qwen2.5-0.5B, 2 threads, same run: 47 ms against 68-90 ms through the
-    PyTorch ops below (native.py says where that time went).
+  * native.py (default where the CPU has AVX-512 VNNI and g++ is present): up to MAX_ROWS (16) GEMM
+    rows (decode steps, small chunks) go through one fused call (row quantization, residual rows, a
+    VNNI GEMV that streams each weight byte once for up to 8 rows and re-reads it from L2 for the next
+    8, epilogue); more rows through the same kernel-side quantization and epilogue around
+    `torch._int_mm` (oneDNN), which is 2-2.5x faster at 16+ rows. Decode step, Qwen2.5-0.5B, 2
+    threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
+    that time went). A decode step that also takes prompt tokens of another request (chunked
+    prefill) grows ~linearly to 14 of them: 1.6x a decode step with 8, 2.0x with 10 (at 8 GEMM rows
+    the kernel used to hand over to `_int_mm`: 2.2x with 7, 2.6x with 10), which is what lets the
+    prefill-chunk tuner in local.py hold its 2x inter-token target.
   * without it, up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM
     (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`) with rows quantized here and handed
     over as integral floats (scale 1, zero point 128), which its own quantization leaves exact
@@ -101,7 +105,7 @@ def unsupported_reason(hf_config: Any) -> str | None:
 
 
 LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the order csrc/decode_stack.cpp takes them
-ATTEND_MAX_QUERIES = 8  # native attention up to this many new tokens of a sequence (faster there), SDPA beyond
+ATTEND_MAX_QUERIES = 16  # native attention up to this many new tokens of a sequence (with the layer stack), SDPA beyond
 FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the module docstring)
 SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard deviations (csrc/lm_head.cpp)
 

@@ -10,7 +10,7 @@
 namespace int8k {
 
 constexpr int64_t BLOCK = 64;    // outputs per packed block: 4 zmm accumulators of 16 int32
-constexpr int64_t MAX_ROWS = 8;  // GEMM rows one kernel call takes (activation + residual rows)
+constexpr int64_t MAX_ROWS = 16;  // GEMM rows one `linear` call takes (activation + residual rows)
 constexpr float RESIDUAL_STEP = 1.f / 254.f;
 
 // Per-row quantization into s8 (q) and the residual at 1/254 of the step (r, when r_out is given).

@@ -26,10 +26,13 @@ using int8k::quantize_row;
 using int8k::tail_mask;
 
 constexpr int64_t PREFETCH = 8192;  // bytes ahead of the weight stream (measured: 4-8 KB best here)
+constexpr int64_t GROUP = 8;        // GEMM rows per pass over a block (measured: one pass of 8 rows beats two of 4)
 
-// One block of 64 outputs for R rows: weights packed as (K4, 64, 4) int8, x as R rows of K4 u8x4 words.
+// R (<= GROUP) rows of one block of 64 outputs: weights packed as (K4, 64, 4) int8, x as R rows of K4 u8x4
+// words; exact int32 dot products into out[r][0:64].
 template <int R>
-void block(const int8_t* w, const int32_t* xb, int64_t K4, const int32_t* comp, __m512i (&acc)[R][4]) {
+void group(const int8_t* w, const int32_t* xb, int64_t K4, const int32_t* comp, int32_t (*out)[BLOCK]) {
+  __m512i acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
   for (int64_t kg = 0; kg < K4; ++kg) {
@@ -46,7 +49,8 @@ void block(const int8_t* w, const int32_t* xb, int64_t K4, const int32_t* comp, 
     }
   }
   for (int r = 0; r < R; ++r)  // (q + 128) . w - 128 * sum(w) == q . w, exactly
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(comp + 16 * j));
+    for (int j = 0; j < 4; ++j)
+      _mm512_store_si512(out[r] + 16 * j, _mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(comp + 16 * j)));
 }
 
 struct Rows {
@@ -55,12 +59,22 @@ struct Rows {
   int64_t total;              // GEMM rows: activation rows + residual rows
 };
 
-template <int R>
+// One block of 64 outputs for every GEMM row, GROUP rows per pass over the block's weights (the first pass
+// streams them from memory, the next ones find them in L2), int32 results into acc (MAX_ROWS x 64), then
+// the epilogue of each activation row with its residual row.
 void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64_t K4, const int32_t* comp,
                 const float* ws, const float* xscale, const float* bias, float* out, int64_t N, int64_t b0, int64_t b1) {
+  alignas(64) int32_t acc[MAX_ROWS][BLOCK];
   for (int64_t b = b0; b < b1; ++b) {
-    __m512i acc[R][4];
-    block<R>(packed + b * K4 * 256, xb, K4, comp + b * BLOCK, acc);
+    const int8_t* wb = packed + b * K4 * 256;
+    for (int64_t r0 = 0; r0 < rows.total; r0 += GROUP) {
+      switch (std::min(GROUP, rows.total - r0)) {
+#define CASE(R) case R: group<R>(wb, xb + r0 * K4, K4, comp + b * BLOCK, acc + r0); break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+        default: break;
+      }
+    }
     for (int64_t i = 0; i < rows.n; ++i) {
       const __m512 s = _mm512_set1_ps(xscale[i]);
       for (int j = 0; j < 4; ++j) {
@@ -68,8 +82,9 @@ void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64
         if (col >= N) break;
         const __mmask16 m = tail_mask(N - col);
         const __m512 ws16 = _mm512_maskz_loadu_ps(m, ws + col);
-        const __m512i* a1 = rows.res[i] >= 0 ? &acc[rows.res[i]][j] : nullptr;
-        _mm512_mask_storeu_ps(out + i * N + col, m, epilogue16(acc[i][j], a1, ws16, s, bias ? bias + col : nullptr, m));
+        const __m512i a1 = rows.res[i] >= 0 ? _mm512_load_si512(acc[rows.res[i]] + 16 * j) : _mm512_setzero_si512();
+        _mm512_mask_storeu_ps(out + i * N + col, m, epilogue16(_mm512_load_si512(acc[i] + 16 * j), rows.res[i] >= 0 ? &a1 : nullptr,
+                                                               ws16, s, bias ? bias + col : nullptr, m));
       }
     }
   }
@@ -163,12 +178,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, 
     const int32_t* cp = comp.data_ptr<int32_t>();
     const float* wsp = ws.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    switch (total) {
-#define CASE(R) case R: run_blocks<R>(rows, pp, xb, K4, cp, wsp, xscale.data(), bp, op, N, b0, b1); break;
-      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#undef CASE
-      default: break;
-    }
+    run_blocks(rows, pp, xb, K4, cp, wsp, xscale.data(), bp, op, N, b0, b1);
   });
   return out;
 }

@@ -29,12 +29,12 @@
 namespace {
 
 using int8k::BLOCK;
-using int8k::MAX_ROWS;
 using int8k::quantize_row;
 using int8k::tail_mask;
 
 constexpr int64_t NIBBLE_BYTES = 128;  // one (64 outputs x 4 inputs) group of 4-bit weights
 constexpr int64_t PREFETCH = 4096;
+constexpr int64_t SCREEN_ROWS = 8;  // rows per pass over the 4-bit copy
 
 // q . (h + 8) + 128 * sum(h + 8) for one block of 64 outputs and R rows (u8 activations q + 128).
 template <int R>
@@ -157,13 +157,13 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
                   margin.data_ptr<float>(), K4, N};
   const int64_t blocks = packed.size(0);
   std::vector<float> floor_(n, -INFINITY);
-  for (int64_t r0 = 0; r0 < n; r0 += MAX_ROWS) {
-    const int64_t R = std::min(MAX_ROWS, n - r0);
-    std::vector<float> part(at::get_num_threads() * MAX_ROWS, -INFINITY);
+  for (int64_t r0 = 0; r0 < n; r0 += SCREEN_ROWS) {
+    const int64_t R = std::min(SCREEN_ROWS, n - r0);
+    std::vector<float> part(at::get_num_threads() * SCREEN_ROWS, -INFINITY);
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       const int32_t* xr = xb.data() + r0 * K4;
-      float* fl = part.data() + at::get_thread_num() * MAX_ROWS;
-      float local[MAX_ROWS];
+      float* fl = part.data() + at::get_thread_num() * SCREEN_ROWS;
+      float local[SCREEN_ROWS];
       switch (R) {
 #define CASE(C) case C: estimate<C>(sc, xr, sum_q.data() + r0, zq.data() + r0, op + r0 * N, local, b0, b1); break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
@@ -172,7 +172,7 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
       }
       for (int64_t j = 0; j < R; ++j) fl[j] = std::max(fl[j], local[j]);
     });
-    for (size_t t = 0; t < part.size(); t += MAX_ROWS)
+    for (size_t t = 0; t < part.size(); t += SCREEN_ROWS)
       for (int64_t j = 0; j < R; ++j) floor_[r0 + j] = std::max(floor_[r0 + j], part[t + j]);
   }
   auto counts = torch::empty({n}, x.options().dtype(torch::kLong));
