@@ -10,7 +10,8 @@ Figures (each a ratio measured in this run; absolute times swing 2-3x on a share
   itl_p95_under_prefill_ratio  p95 inter-token latency of a stream while a 512-token prompt prefills,
                                over its batch-1 median                              (goal <= 2.5)
   prefix_ttft_ratio            TTFT with a 512-token prefix cached / cold            (goal <= 0.10)
-  prefix_miss_overhead         time with prefix cache on at 0% hits / off, minus 1   (goal <= 0.02)
+  prefix_miss_overhead         time with prefix cache on at 0% hits / off, minus 1 (median of the ratios of
+                               9 back-to-back rounds, two fresh engines)             (goal <= 0.02)
   int8_top1_agreement          next-token top-1 agreement of int8 vs fp32 along fp32's greedy answers, fed
                                through decode steps (quality; and how many greedy answers are identical)
   screened_head_same_argmax    rows of that run where the screened greedy head (greedy decode reads half the
@@ -310,11 +311,12 @@ def main() -> None:
     cold, warm = prefix_ttft(engine, words=64)
     results.update(prefix_cold_ttft_s=round(cold, 3), prefix_warm_ttft_s=round(warm, 3), prefix_ttft_ratio=round(warm / cold, 4))
     print(f"prefix TTFT: cold {cold:.3f} s, cached {warm:.3f} s -> {warm / cold:.3f}")
+    # two fresh engines, the same but for the prefix cache (the main engine's history would confound it)
+    on = LocalEngine(load_model(config), replace(config.engine, prefix_cache=True))
     off = LocalEngine(load_model(config), replace(config.engine, prefix_cache=False))
     on_t, off_t = [], []
-    hits_before = engine.stats()["prefix_cache_hits"]
-    for rnd in range(7):
-        pair = ((engine, on_t), (off, off_t))
+    for rnd in range(9):
+        pair = ((on, on_t), (off, off_t))
         for eng, sink in (pair if rnd % 2 == 0 else pair[::-1]):  # alternate who goes first
             # a random nonce opens the system prompt, inside the first KV block: nothing is shared, 0% hits
             unique = [[{"role": "system", "content": f"[{uuid.uuid4().hex[:12]}] You are a helpful assistant."},
@@ -324,14 +326,15 @@ def main() -> None:
                 for _ in eng.generate(p, SamplingParams(max_tokens=8, ignore_eos=True)):
                     pass
             sink.append(time.perf_counter() - start)
-    overhead = min(on_t) / min(off_t) - 1
-    median_overhead = statistics.median(on_t) / statistics.median(off_t) - 1
-    miss_hits = engine.stats()["prefix_cache_hits"] - hits_before
-    results.update(prefix_miss_overhead=round(overhead, 4), prefix_miss_overhead_medians=round(median_overhead, 4),
+    # the ratio within each round (the two ran back to back, so drift in the machine's speed cancels), median
+    overhead = statistics.median(x / y for x, y in zip(on_t, off_t)) - 1
+    best_overhead = min(on_t) / min(off_t) - 1
+    miss_hits = on.stats()["prefix_cache_hits"]
+    results.update(prefix_miss_overhead=round(overhead, 4), prefix_miss_overhead_best=round(best_overhead, 4),
                    prefix_miss_phase_hits=miss_hits)
-    print(f"prefix cache at 0% hits ({miss_hits} block hits in this phase): {min(on_t):.3f} s vs off "
-          f"{min(off_t):.3f} s -> {overhead * 100:+.1f}%  (best of 7 alternating rounds; medians "
-          f"{median_overhead * 100:+.1f}%)")
+    print(f"prefix cache at 0% hits ({miss_hits} block hits): median of 9 back-to-back round ratios "
+          f"{overhead * 100:+.1f}%  (best rounds {min(on_t):.3f} s vs off {min(off_t):.3f} s: {best_overhead * 100:+.1f}%)")
+    on.close()
     off.close()
 
     # 5. int8 quality vs fp32
