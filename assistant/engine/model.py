@@ -30,8 +30,8 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
     that time went). A decode step that also takes prompt tokens of another request (chunked
     prefill) grows ~linearly to 14 of them: 1.6x a decode step with 8, 2.0x with 10 (at 8 GEMM rows
-    the kernel used to hand over to `_int_mm`: 2.2x with 7, 2.6x with 10), which is what lets the
-    prefill-chunk tuner in local.py hold its 2x inter-token target.
+    the kernel used to hand over to `_int_mm`: 2.2x with 7, 2.6x with 10), which is what the
+    prefill-chunk tuner in local.py assumes when it sizes chunks for its inter-token target.
   * without it, up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM
     (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`) with rows quantized here and handed
     over as integral floats (scale 1, zero point 128), which its own quantization leaves exact
@@ -200,11 +200,12 @@ class Linear:
         if self.screen is None or not bool(greedy.any()):
             return self(x)
         packed, hcomp, mean, margin = self.screen
-        logits, counts = self.native.head_greedy(x[greedy] if not bool(greedy.all()) else x, packed, hcomp, mean, margin,
-                                                 self.weight, self.comp, self.scale, self.bias, SCREEN_Z)
+        every = bool(greedy.all())
+        logits, counts = self.native.head_greedy(x if every else x[greedy], packed, hcomp, mean, margin, self.weight,
+                                                 self.comp, self.scale, self.bias, SCREEN_Z)
         self.screened_rows += counts.numel()
         self.screened_candidates += int(counts.sum())
-        if bool(greedy.all()):
+        if every:
             return logits
         out = x.new_empty(x.size(0), self.weight.size(0))
         out[greedy], out[~greedy] = logits, self(x[~greedy])

@@ -82,9 +82,11 @@ void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64
         if (col >= N) break;
         const __mmask16 m = tail_mask(N - col);
         const __m512 ws16 = _mm512_maskz_loadu_ps(m, ws + col);
-        const __m512i a1 = rows.res[i] >= 0 ? _mm512_load_si512(acc[rows.res[i]] + 16 * j) : _mm512_setzero_si512();
-        _mm512_mask_storeu_ps(out + i * N + col, m, epilogue16(_mm512_load_si512(acc[i] + 16 * j), rows.res[i] >= 0 ? &a1 : nullptr,
-                                                               ws16, s, bias ? bias + col : nullptr, m));
+        const bool two_pass = rows.res[i] >= 0;
+        const __m512i a1 = two_pass ? _mm512_load_si512(acc[rows.res[i]] + 16 * j) : _mm512_setzero_si512();
+        const __m512 y = epilogue16(_mm512_load_si512(acc[i] + 16 * j), two_pass ? &a1 : nullptr, ws16, s,
+                                    bias ? bias + col : nullptr, m);
+        _mm512_mask_storeu_ps(out + i * N + col, m, y);
       }
     }
   }
