@@ -11,7 +11,7 @@ Figures (each a ratio measured in this run; absolute times swing 2-3x on a share
                                over its batch-1 median                              (goal <= 2.5)
   prefix_ttft_ratio            TTFT with a 512-token prefix cached / cold            (goal <= 0.10)
   prefix_miss_overhead         time with prefix cache on at 0% hits / off, minus 1 (median of the ratios of
-                               9 back-to-back rounds, two fresh engines)             (goal <= 0.02)
+                               36 back-to-back request pairs, two fresh engines)     (goal <= 0.02)
   int8_top1_agreement          next-token top-1 agreement of int8 vs fp32 along fp32's greedy answers, fed
                                through decode steps (quality; and how many greedy answers are identical)
   screened_head_same_argmax    rows of that run where the screened greedy head (greedy decode reads half the
@@ -240,6 +240,35 @@ def int8_agreement(fp32: LocalEngine, int8: LocalEngine, num_tokens: int) -> dic
     return out
 
 
+def prefix_miss_overhead(config, pairs: int) -> tuple[float, float, int]:
+    """Prefix cache on vs off at 0% hits: two fresh engines, the same but for the cache (the main engine's
+    history would confound it), one request each back to back, alternating who goes first. -> (median of
+    the pairs' time ratios - 1, fastest request on / fastest off - 1, block hits seen by the cached engine)."""
+    on = LocalEngine(load_model(config), replace(config.engine, prefix_cache=True))
+    off = LocalEngine(load_model(config), replace(config.engine, prefix_cache=False))
+    times: dict[LocalEngine, list[float]] = {on: [], off: []}
+
+    def request(eng: LocalEngine, question: str) -> float:
+        # a random nonce opens the system prompt, inside the first KV block: nothing is shared, 0% hits
+        prompt = [{"role": "system", "content": f"[{uuid.uuid4().hex[:12]}] You are a helpful assistant."},
+                  {"role": "user", "content": question}]
+        start = time.perf_counter()
+        for _ in eng.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)):
+            pass
+        return time.perf_counter() - start
+
+    for eng in (on, off):  # warm-up
+        request(eng, QUESTIONS[0])
+    for i in range(pairs):
+        for eng in ((on, off) if i % 2 == 0 else (off, on)):
+            times[eng].append(request(eng, QUESTIONS[i % 4]))
+    hits = on.stats()["prefix_cache_hits"]
+    on.close()
+    off.close()
+    ratios = [x / y for x, y in zip(times[on], times[off])]  # back to back: the machine's drift cancels
+    return statistics.median(ratios) - 1, min(times[on]) / min(times[off]) - 1, hits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -311,31 +340,11 @@ def main() -> None:
     cold, warm = prefix_ttft(engine, words=64)
     results.update(prefix_cold_ttft_s=round(cold, 3), prefix_warm_ttft_s=round(warm, 3), prefix_ttft_ratio=round(warm / cold, 4))
     print(f"prefix TTFT: cold {cold:.3f} s, cached {warm:.3f} s -> {warm / cold:.3f}")
-    # two fresh engines, the same but for the prefix cache (the main engine's history would confound it)
-    on = LocalEngine(load_model(config), replace(config.engine, prefix_cache=True))
-    off = LocalEngine(load_model(config), replace(config.engine, prefix_cache=False))
-    on_t, off_t = [], []
-    for rnd in range(9):
-        pair = ((on, on_t), (off, off_t))
-        for eng, sink in (pair if rnd % 2 == 0 else pair[::-1]):  # alternate who goes first
-            # a random nonce opens the system prompt, inside the first KV block: nothing is shared, 0% hits
-            unique = [[{"role": "system", "content": f"[{uuid.uuid4().hex[:12]}] You are a helpful assistant."},
-                       {"role": "user", "content": q}] for q in QUESTIONS[:4]]
-            start = time.perf_counter()
-            for p in unique:
-                for _ in eng.generate(p, SamplingParams(max_tokens=8, ignore_eos=True)):
-                    pass
-            sink.append(time.perf_counter() - start)
-    # the ratio within each round (the two ran back to back, so drift in the machine's speed cancels), median
-    overhead = statistics.median(x / y for x, y in zip(on_t, off_t)) - 1
-    best_overhead = min(on_t) / min(off_t) - 1
-    miss_hits = on.stats()["prefix_cache_hits"]
+    overhead, best_overhead, miss_hits = prefix_miss_overhead(config, pairs=36)
     results.update(prefix_miss_overhead=round(overhead, 4), prefix_miss_overhead_best=round(best_overhead, 4),
                    prefix_miss_phase_hits=miss_hits)
-    print(f"prefix cache at 0% hits ({miss_hits} block hits): median of 9 back-to-back round ratios "
-          f"{overhead * 100:+.1f}%  (best rounds {min(on_t):.3f} s vs off {min(off_t):.3f} s: {best_overhead * 100:+.1f}%)")
-    on.close()
-    off.close()
+    print(f"prefix cache at 0% hits ({miss_hits} block hits): median of 36 back-to-back request ratios "
+          f"{overhead * 100:+.1f}%  (fastest requests on vs off: {best_overhead * 100:+.1f}%)")
 
     # 5. int8 quality vs fp32
     if engine.quantize == "int8":
