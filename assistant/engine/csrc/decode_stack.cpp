@@ -1,6 +1,6 @@
 // The decoder layers of a step whose sequences all attend natively (decode steps, small chunks), in one
-// call: the same kernels, in the same order, as model.py's layer loop, without ~100 Python-level calls and
-// ~40 small PyTorch ops per step (see assistant/engine/native.py for the measurements).
+// call: the same kernels, in the same order, as model.py's layer loop, without its hundreds of Python-level
+// calls and small PyTorch ops per step (see assistant/engine/native.py for the measurements).
 #include <torch/extension.h>
 #include <ATen/ATen.h>
 
