@@ -7,20 +7,7 @@
 #include <vector>
 
 #include "int8_common.h"
-
-// int8_linear.cpp
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor ws,
-                     c10::optional<torch::Tensor> bias, torch::Tensor refine);
-std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine);
-torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, torch::Tensor refine,
-                     c10::optional<torch::Tensor> bias);
-// layer_ops.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
-                         double q_scale, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
-torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor kv_off,
-                     torch::Tensor q_off);
-torch::Tensor swiglu(torch::Tensor gu);
+#include "native.h"
 
 namespace {
 

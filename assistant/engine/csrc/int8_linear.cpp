@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "int8_common.h"
+#include "native.h"
 
 namespace {
 
@@ -104,11 +105,17 @@ Rows make_rows(const torch::Tensor& refine, int64_t n) {  // refine: bool (n,) r
 
 // int8 (N, K) weights -> (blocks, K4, 64, 4) int8 VNNI layout (N padded to 64, K to 4 with zeros) and
 // comp = 128 * row sums (int32, padded N), the correction for the kernel's unsigned activations.
-std::vector<torch::Tensor> pack(torch::Tensor w) {
-  TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2, "pack wants int8 (N, K) weights");
-  const int64_t N = w.size(0), K = w.size(1), Np = (N + BLOCK - 1) / BLOCK * BLOCK, Kp = (K + 3) / 4 * 4;
-  auto padded = torch::zeros({Np, Kp}, w.options());
+torch::Tensor pad_weights(torch::Tensor w) {
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2, "the int8 kernels want int8 (N, K) weights");
+  const int64_t N = w.size(0), K = w.size(1);
+  auto padded = torch::zeros({(N + BLOCK - 1) / BLOCK * BLOCK, (K + 3) / 4 * 4}, w.options());
   padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded;
+}
+
+std::vector<torch::Tensor> pack(torch::Tensor w) {
+  auto padded = pad_weights(w);
+  const int64_t Np = padded.size(0), Kp = padded.size(1);
   auto comp = (padded.to(torch::kInt32).sum(1) * 128).to(torch::kInt32).contiguous();
   auto packed = padded.view({Np / BLOCK, BLOCK, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
   return {packed, comp};
@@ -184,21 +191,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, 
   });
   return out;
 }
-
-// lm_head.cpp
-std::vector<torch::Tensor> head_pack(torch::Tensor w);
-std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor hcomp, torch::Tensor mean,
-                                       torch::Tensor margin, torch::Tensor weight, torch::Tensor comp, torch::Tensor ws,
-                                       c10::optional<torch::Tensor> bias, double z);
-// layer_ops.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
-                         double q_scale, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
-torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor kv_off,
-                     torch::Tensor q_off);
-torch::Tensor swiglu(torch::Tensor gu);
-// decode_stack.cpp
-void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();  // steps run on the engine thread

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "int8_common.h"
+#include "native.h"
 
 namespace {
 

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "int8_common.h"
+#include "native.h"
 
 namespace {
 
@@ -115,10 +116,8 @@ inline int32_t dot_row(const int8_t* w, const uint8_t* xu, int64_t K, int32_t co
 // int8 (N, K) head -> the 4-bit high nibbles in the VNNI block layout (blocks, K4, 128) u8, their correction
 // 128 * sum(h + 8) (int32, padded N), and per output the mean and standard deviation of the low nibbles.
 std::vector<torch::Tensor> head_pack(torch::Tensor w) {
-  TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2, "head_pack wants int8 (N, K) weights");
-  const int64_t N = w.size(0), K = w.size(1), Np = (N + BLOCK - 1) / BLOCK * BLOCK, Kp = (K + 3) / 4 * 4;
-  auto padded = torch::zeros({Np, Kp}, w.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  auto padded = pad_weights(w);
+  const int64_t Np = padded.size(0), Kp = padded.size(1);
   auto u = (padded.__rshift__(4) + 8).to(torch::kUInt8);  // h + 8 in [0, 15]
   auto comp = (u.to(torch::kInt32).sum(1) * 128).to(torch::kInt32).contiguous();
   auto v = u.view({Np / BLOCK, 4, 16, Kp / 4, 4}).permute({0, 3, 1, 2, 4}).reshape({Np / BLOCK, Kp / 4, 4, 64});
