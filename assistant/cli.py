@@ -136,7 +136,7 @@ def _cmd_models_list(args: argparse.Namespace, config: AssistantConfig) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, config: AssistantConfig) -> int:
-    from ui.gradio_app import serve
+    from assistant.server.app import serve
 
     serve(config)
     return 0

@@ -26,7 +26,7 @@ def server():
     import uvicorn
     from fastapi import FastAPI
 
-    from assistant.api import create_api
+    from assistant.server.openai import create_api
 
     engine = ScriptedEngine()
     app = FastAPI()
