@@ -169,12 +169,14 @@ def _print_turn(events: Any) -> int:
 
 
 def _cmd_regenerate(args, config) -> int:
-    from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
 
-    return _print_turn(Orchestrator.from_config(config).regenerate(args.id))
+    with build_assistant(config) as assistant:
+        return _print_turn(assistant.regenerate(args.id))
 
 
 def _cmd_edit(args, config) -> int:
-    from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
 
-    return _print_turn(Orchestrator.from_config(config).edit(args.id, args.message_id, args.text))
+    with build_assistant(config) as assistant:
+        return _print_turn(assistant.edit(args.id, args.message_id, args.text))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from assistant.cli import EVAL_HELP, command_group
+from assistant.commands import EVAL_HELP, command_group
 from assistant.events import Done, Sources
 
 
@@ -85,12 +85,12 @@ def parse_item(number: int, obj: Any) -> QAItem:
     return QAItem(number, obj["question"].strip(), tuple(str(m) for m in must), tuple(int(p) for p in pages))
 
 
-def evaluate_answers(orchestrator: Any, items: Iterable[QAItem]) -> EvalReport:
+def evaluate_answers(assistant: Any, items: Iterable[QAItem]) -> EvalReport:
     """Ask every question in a fresh conversation and score the answer and its sources."""
     results = []
     for item in items:
         result = QAResult(item)
-        for event in orchestrator.run_turn(None, item.question):
+        for event in assistant.turn(None, item.question):
             if isinstance(event, Sources):
                 result.cited_pages = [s.page for s in event.sources if s.page is not None]
             elif isinstance(event, Done):
@@ -142,28 +142,18 @@ def cmd_eval_answers(args: argparse.Namespace, config) -> int:
         raise ConfigError(f"{path} has no questions: each line needs a JSON object with a \"question\".")
     if args.max_new_tokens:
         config = replace(config, engine=replace(config.engine, max_new_tokens=args.max_new_tokens))
-    if args.docs:
-        _ingest(config, args.docs)
-    from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
 
     print(f"Loading model {config.engine.model}...", file=sys.stderr, flush=True)
-    orchestrator = Orchestrator.from_config(config)
-    report = evaluate_answers(orchestrator, items)
+    with build_assistant(config) as assistant:
+        if args.docs:
+            for result in assistant.documents.ingest(args.docs):
+                if result.status == "failed":
+                    print(f"Skipping {result.path}: {result.error}", file=sys.stderr)
+        report = evaluate_answers(assistant, items)
     print(format_table(report))
     print(json.dumps(report.metrics()))
     for r in report.results:
         if r.error:
             print(f"Question on line {r.item.line} failed: {r.error}", file=sys.stderr)
     return 1 if any(r.error for r in report.results) else 0
-
-
-def _ingest(config, paths: list[str]) -> None:
-    from ingest.pipeline import Ingester, expand_paths
-
-    ingester = Ingester.from_config(config)
-    try:
-        for result in ingester.ingest(expand_paths(paths)):
-            if result.status == "failed":
-                print(f"Skipping {result.path}: {result.error}", file=sys.stderr)
-    finally:
-        ingester.close()

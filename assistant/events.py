@@ -20,6 +20,33 @@ class TurnEvent:
 
 
 @dataclass(frozen=True)
+class TurnStarted(TurnEvent):
+    """First event of every turn: the ids a front end needs to cancel, regenerate or edit it."""
+
+    type: ClassVar[str] = "turn_started"
+    conversation_id: str
+    user_message_id: str  # the stored question (edit it with Orchestrator.edit)
+    message_id: str  # the stored answer being written; also the turn's id for cancel
+
+
+@dataclass(frozen=True)
+class Transcribed(TurnEvent):
+    """The pre-stage turned speech into the text that becomes the user's message."""
+
+    type: ClassVar[str] = "transcribed"
+    text: str
+
+
+@dataclass(frozen=True)
+class ImageDescribed(TurnEvent):
+    """The pre-stage described an image of the turn; the description enters the model's context."""
+
+    type: ClassVar[str] = "image_described"
+    index: int  # 1-based position of the image in the turn
+    description: str
+
+
+@dataclass(frozen=True)
 class TextDelta(TurnEvent):
     type: ClassVar[str] = "text_delta"
     text: str  # new answer text (whole characters)
@@ -61,15 +88,22 @@ class Sources(TurnEvent):
 
 @dataclass(frozen=True)
 class SafetyVerdict(TurnEvent):
+    """A guard acted: the user's message was blocked, or retrieved/tool text was quarantined."""
+
     type: ClassVar[str] = "safety"
-    stage: str  # "input" | "output" | "retrieved"
-    allowed: bool
+    stage: str  # "input" (the user's message) | "retrieved" | "tool" (text entering the context) | "output"
+    allowed: bool  # False: blocked (input) or quarantined (retrieved / tool text, fenced as data)
     category: str = ""  # e.g. "prompt_injection", "offensive", "pii"
-    reason: str = ""
+    reason: str = ""  # for the user: what happened and what they can do
+    score: float = 0.0  # the detector's score
+    threshold: float = 0.0  # the score at which it acts
+    detector: str = ""  # which detector fired
 
 
 @dataclass(frozen=True)
 class AudioChunk(TurnEvent):
+    """Speech of the answer, emitted by a text-to-speech stream transformer (see assistant/seams.py)."""
+
     type: ClassVar[str] = "audio"
     sample_rate: int
     pcm16: bytes = field(repr=False)  # mono little-endian 16-bit samples

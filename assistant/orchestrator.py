@@ -1,23 +1,18 @@
-"""The orchestrator: one user turn from input to stored answer, as a stream of TurnEvents.
+"""The turn: one user input in, a stored answer out, as a stream of TurnEvents.
 
-Design note — the turn loop:
-  1. the user message is committed to the store before anything else (never lost); an assistant
-     message is inserted as `partial` under it;
-  2. when the conversation has documents, the question is searched first ("auto-retrieval"; a
-     question about a whole file — summarise, how many, compare — reads whole pages instead). Hits
-     that share no content word with the question are left out unless the question names documents
-     ("file", "pdf", ...), so "compute 20th Fibonacci" does not drag a manual into the prompt (the
-     model can still search itself). Kept passages get `[n]` markers in the turn's SourceLedger;
-  3. up to `max_steps` engine calls that may use tools: each prompt is fitted to the context window
-     (assistant/context.py) and sent to the engine the Router picks (assistant/routing.py) with the
-     enabled tools' specs in the model's own chat template. Deltas are streamed as TextDelta except
-     what may be a tool call (assistant/agent.py holds it back). A reply with tool calls runs them
-     (ToolCallStarted / ToolCallFinished) and feeds results back as `tool` messages. A malformed call
-     gets `max_repairs` repair step(s) with the validation error as its observation; after that, and
-     after `max_steps`, one last call is made without tools so the turn always ends in an answer;
-  4. the answer's `[n]` markers are verified against the ledger (Sources event); the message is
-     finalised (`complete`) with usage, steps, sources, route and memory in its meta, then Usage and
-     Done are emitted. The streamed text is flushed to the store every FLUSH_INTERVAL_S.
+Design note — the turn:
+  1. pre-stage: speech becomes the question's text (Transcribed), each image a description that goes
+     into the model's context with the question (ImageDescribed), attached files are ingested;
+  2. the input guard checks the question *before* it is stored. A blocked question is stored marked
+     `blocked` (never shown to the model again), the refusal is stored as the answer, and the turn
+     ends with SafetyVerdict + Done(finish_reason="blocked");
+  3. the user message is committed, then an assistant message is inserted as `partial` under it and
+     TurnStarted carries both ids (what a UI needs to cancel, regenerate or edit);
+  4. the agent loop (assistant/agent_loop.py) runs the steps; its streamed text is flushed to the
+     store every FLUSH_INTERVAL_S;
+  5. finalise: the answer's `[n]` markers are verified against what was retrieved in this turn
+     (Sources), the message is marked `complete` with usage, steps, sources, route and memory in its
+     meta, then Usage and Done.
   Our failures (engine, store, a tool backend that is down) become an Error event plus a Done with
   finish_reason "error"; the stored message keeps whatever text was produced, marked `error`.
   History is the active branch (store.py): `regenerate` answers the last question again as a
@@ -26,90 +21,81 @@ Design note — the turn loop:
 
 from __future__ import annotations
 
-import json
-import re
 import threading
-import time
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
-from assistant.agent import ToolCallSplitter, call_message, repair_messages, result_message
-from assistant.citations import SourceLedger, content_words, verify_citations
+from assistant.agent_loop import AgentLoop, AgentOptions, Prefetch, TurnState
+from assistant.citations import SourceLedger, verify_citations
 from assistant.config import AssistantConfig
-from assistant.context import MAX_MEMORY_TOKENS, PromptParts, fit_prompt
+from assistant.context import MAX_MEMORY_TOKENS
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
-from assistant.events import (Done, Error, Notice, Sources, TextDelta, ToolCallFinished, ToolCallStarted,
-                              TurnEvent, Usage)
+from assistant.events import (Done, Error, ImageDescribed, SafetyVerdict, Sources, Transcribed, TurnEvent,
+                              TurnStarted, Usage)
 from assistant.routing import Router
+from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
-from tools.base import Tool, ToolContext, ToolResult
 from tools.registry import ToolRegistry
 
-FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
-FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in plain text, using the tool results "
-                "above. Do not write any tool call."}
-REPEATED_CALL = ("You already made exactly this call in this turn; its result is above. Change the arguments "
-                 "(fix the error it showed) or answer the question.")
-DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
-WHOLE_DOCUMENT = re.compile(r"\b(summari[sz]e|summary|whole|entire|how many|compare|comparison|all the|overview)\b", re.I)
+__all__ = ["AgentOptions", "Orchestrator"]
 
-
-@dataclass(frozen=True)
-class AgentOptions:
-    max_steps: int = 4  # engine calls per turn that may call tools (a last one without tools may follow)
-    max_repairs: int = 1  # malformed tool calls answered with their validation error before tools are withdrawn
-    auto_retrieve: bool = True  # search the conversation's documents with the question before the first call
-    retrieve_k: int = 4  # passages auto-retrieval adds
-    max_read_chars: int = 8000  # of whole pages auto-retrieval adds for whole-document questions
-    summarize_overflow: bool = False  # fold turns that no longer fit into a model-written summary (else drop them)
-    max_observation_chars: int = 4000  # of one tool result shown to the model
+IngestFiles = Callable[[str, Sequence[Attachment]], Iterator[TurnEvent]]  # (conversation id, files) -> events
 
 
 class Orchestrator:
     def __init__(self, engine: Engine, store: Store, config: AssistantConfig, *, tools: ToolRegistry | None = None,
-                 router: Router | None = None, options: AgentOptions | None = None) -> None:
+                 router: Router | None = None, options: AgentOptions | None = None, prefetch: Prefetch | None = None,
+                 input_guard: InputGuard | None = None, transformers: Sequence[StreamTransformer] = (),
+                 prestage: PreStage | None = None, ingest_files: IngestFiles | None = None) -> None:
         self.engine = engine  # the small (default) engine
         self.store = store
         self.config = config
         self.tools = tools if tools is not None else ToolRegistry()
         self.router = router or Router(engine)
         self.options = options or AgentOptions()
-
-    @classmethod
-    def from_config(cls, config: AssistantConfig, engine: Engine | None = None, *, large_model: str | None = None,
-                    tools: ToolRegistry | None = None, options: AgentOptions | None = None) -> "Orchestrator":
-        from assistant.engine import create_engine
-        from tools.registry import default_registry
-
-        engine = engine or create_engine(config)
-        router = None
-        large_model = large_model if large_model is not None else config.engine.large_model
-        if large_model:
-            from dataclasses import replace
-
-            large_config = replace(config, engine=replace(config.engine, model=large_model))
-            router = Router(engine, lambda: create_engine(large_config))
-        return cls(engine, Store(config.store_url), config, tools=tools if tools is not None else default_registry(config),
-                   router=router, options=options)
+        self.prefetch = prefetch
+        self.input_guard = input_guard or AllowAll()
+        self.transformers = list(transformers)
+        self.prestage = prestage or NoModalities()
+        self.ingest_files = ingest_files
 
     def default_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.config.engine.max_new_tokens)
 
     # -- entry points ---------------------------------------------------------------------------
-    def run_turn(self, conversation_id: str | None, user_input: str, *, params: SamplingParams | None = None,
-                 cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
-        text = user_input.strip()
+    def run_turn(self, conversation_id: str | None, user_input: UserInput | str, *,
+                 params: SamplingParams | None = None, cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
+        turn_input = UserInput.of(user_input)
+        text = turn_input.text.strip()
+        meta: dict[str, Any] = {}
+        if turn_input.audio is not None:
+            heard = self.prestage.transcribe(turn_input.audio).strip()
+            yield Transcribed(heard)
+            text = f"{text}\n{heard}".strip() if text else heard
+            meta["audio"] = {"name": turn_input.audio.name}
+        descriptions = []
+        for i, image in enumerate(turn_input.images, start=1):
+            description = self.prestage.describe(image)
+            yield ImageDescribed(i, description)
+            descriptions.append(f"image {i} ({image.name}): {description}")
+        if descriptions:
+            meta["images"] = descriptions
         cid = self.store.get_or_create(conversation_id, title=text[:60]).id
+        if turn_input.files and self.ingest_files is not None:
+            yield from self.ingest_files(cid, turn_input.files)
         history = self.store.history(cid)
-        user = self.store.add_message(cid, "user", text)
+        verdict = self.input_guard.check(text, where="input")
+        if not verdict.allowed:
+            yield from self._refuse(cid, text, meta, verdict)
+            return
+        user = self.store.add_message(cid, "user", text, meta=meta)
         yield from self._answer(cid, user, history, params or self.default_params(), cancel)
 
     def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
                    cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
         """Answer the active branch's last question again; the old answer stays as a sibling."""
         path = self.store.history(conversation_id)
-        users = [i for i, m in enumerate(path) if m.role == "user"]
+        users = [i for i, m in enumerate(path) if m.role == "user" and m.status != "blocked"]
         if not users:
             raise StoreError(f"Conversation {conversation_id} has no question to answer again.")
         user = path[users[-1]]
@@ -123,17 +109,40 @@ class Orchestrator:
         if old.conversation_id != conversation_id or old.role != "user":
             raise StoreError(f"Message {message_id} is not a user message of conversation {conversation_id}.")
         history = self.store.history(conversation_id, head_id=old.parent_id)
-        user = self.store.add_message(conversation_id, "user", new_text.strip(), parent_id=old.parent_id,
+        text = new_text.strip()
+        verdict = self.input_guard.check(text, where="input")
+        if not verdict.allowed:
+            self.store.set_head(conversation_id, old.parent_id)
+            yield from self._refuse(conversation_id, text, {"edited_from": old.id}, verdict)
+            return
+        user = self.store.add_message(conversation_id, "user", text, parent_id=old.parent_id,
                                       meta={"edited_from": old.id})
         yield from self._answer(conversation_id, user, history, params or self.default_params(), cancel)
 
     # -- one turn -------------------------------------------------------------------------------
+    def _refuse(self, cid: str, text: str, meta: dict[str, Any], verdict: Any) -> Iterator[TurnEvent]:
+        reason = verdict.reason or (f"This message was blocked by the safety policy ({verdict.category or 'unsafe'}). "
+                                    "Rephrase it, or ask the administrator about the policy.")
+        audit = {"category": verdict.category, "score": verdict.score, "threshold": verdict.threshold,
+                 "detector": verdict.detector}
+        user = self.store.add_message(cid, "user", text, status="blocked", meta={**meta, "verdict": audit})
+        answer = self.store.add_message(cid, "assistant", reason, parent_id=user.id,
+                                        meta={"finish_reason": "blocked", "verdict": audit})
+        yield TurnStarted(cid, user.id, answer.id)
+        yield SafetyVerdict("input", False, verdict.category, reason, verdict.score, verdict.threshold, verdict.detector)
+        yield Done(cid, answer.id, reason, "blocked")
+
     def _answer(self, cid: str, user: StoredMessage, history: list[StoredMessage], params: SamplingParams,
                 cancel: threading.Event | None) -> Iterator[TurnEvent]:
         answer = self.store.add_message(cid, "assistant", "", parent_id=user.id, status="partial")
-        turn = _Turn(cid, SourceLedger())
+        yield TurnStarted(cid, user.id, answer.id)
+        turn = TurnState(cid, SourceLedger())
+        chat, ids, memory = _prompt_history(history)
+        loop = AgentLoop(self.router, self.tools, self.config, self.options, guard=self.input_guard,
+                         transformers=self.transformers, prefetch=self.prefetch, summarize=self.summarize)
         try:
-            yield from self._run_steps(turn, user, history, params, cancel, answer.id)
+            yield from loop.run(turn, user.as_chat(), chat, ids, memory, params, cancel,
+                                flush=lambda text: self.store.update_message(answer.id, content=text))
         except AssistantError as e:
             self.store.update_message(answer.id, content=turn.text, status="error", meta={"error": str(e)})
             yield Error(str(e))
@@ -145,6 +154,8 @@ class Orchestrator:
             raise
         meta: dict[str, Any] = {"usage": turn.usage_meta(), "finish_reason": turn.finish, "model": turn.model,
                                 "route": turn.route, "steps": turn.steps}
+        if turn.quarantined:
+            meta["quarantined"] = turn.quarantined
         final = turn.text
         if len(turn.ledger) or turn.documents:
             check = verify_citations(final, turn.ledger)
@@ -159,118 +170,6 @@ class Orchestrator:
                     turn.num_calls, turn.breakdown)
         yield Done(cid, answer.id, final, turn.finish)
 
-    def _run_steps(self, turn: "_Turn", user: StoredMessage, history: list[StoredMessage], params: SamplingParams,
-                   cancel: threading.Event | None, answer_id: str) -> Iterator[TurnEvent]:
-        chat, ids, memory = _prompt_history(history)
-        tools = self.tools.enabled(turn.cid)
-        by_name = {t.name: t for t in tools}
-        turn.documents = "search_documents" in by_name  # markers are checked whenever documents could be cited
-        ctx = ToolContext(turn.cid, turn.ledger)
-        context = yield from self._auto_retrieve(user.content, by_name, turn.ledger)
-        steps: list[Message] = []
-        repairs_left, offer_tools = self.options.max_repairs, bool(tools)
-        seen_calls: set[str] = set()
-        for step in range(self.options.max_steps + 1):
-            offered = tools if offer_tools and step < self.options.max_steps else []
-            wrap_up = [FINAL_ANSWER] if steps and not offered else []  # tools withdrawn: ask for the answer
-            plan = fit_prompt(
-                PromptParts({"role": "system", "content": self.config.system_prompt}, user.as_chat(), chat, memory,
-                            context, steps + wrap_up, [t.spec() for t in offered]),
-                count_tokens=self.engine.count_tokens, context_window=self.router.context_window,
-                reserve=params.max_tokens, summarize=self.summarize if self.options.summarize_overflow else None)
-            if plan.num_summarised:  # later steps of this turn start from the new memory
-                memory = plan.memory
-                turn.memory = {"summary": memory, "through_id": ids[plan.num_summarised - 1]}
-                chat, ids = chat[plan.num_summarised:], ids[plan.num_summarised:]
-            route = self.router.choose(prompt_tokens=plan.prompt_tokens, has_documents=bool(turn.ledger),
-                                       after_tool_step=bool(steps))
-            notices: list[str] = []
-            engine, stream = self.router.generate(route, plan.messages, params,
-                                                  tools=[t.spec() for t in offered] or None, cancel=cancel,
-                                                  notices=notices)
-            for line in notices:
-                yield Notice(line)
-            turn.start_call(plan, engine, route)
-            splitter = ToolCallSplitter([t.name for t in offered])
-            last_flush = time.monotonic()
-            for delta in stream:
-                turn.track(delta)
-                shown = splitter.feed(delta.text)
-                if shown:
-                    turn.parts.append(shown)
-                    yield TextDelta(shown)
-                if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
-                    self.store.update_message(answer_id, content=turn.text)
-                    last_flush = time.monotonic()
-            reply, rest = splitter.finish()
-            if rest:
-                turn.parts.append(rest)
-                yield TextDelta(rest)
-            if turn.finish == "cancelled":
-                return
-            if not reply.wants_tools:
-                if turn.text.strip() or not steps or not offered:
-                    return
-                offer_tools = False  # tools were used but the reply is empty: ask once more for the answer
-                continue
-            if reply.calls:
-                steps.append(call_message(reply.text, reply.calls))
-                for call in reply.calls:
-                    yield ToolCallStarted(call.id, call.name, call.arguments)
-                    key = json.dumps([call.name, call.arguments], sort_keys=True)
-                    if key in seen_calls:  # small models loop on a failing call: say so instead of rerunning
-                        result = ToolResult(REPEATED_CALL, ok=False, summary="same call as before, not run again")
-                    else:
-                        seen_calls.add(key)
-                        result = by_name[call.name](call.arguments, ctx)  # ToolUnavailable (ours) propagates
-                    yield ToolCallFinished(call.id, call.name, result.ok, result.short(), result.artifacts)
-                    steps.append(result_message(call.name, result.text[: self.options.max_observation_chars], call.id))
-                    turn.steps.append({"name": call.name, "arguments": call.arguments, "ok": result.ok,
-                                       "summary": result.short(), "artifacts": list(result.artifacts)})
-            elif repairs_left > 0:
-                repairs_left -= 1
-                bad = reply.malformed[0]
-                yield ToolCallStarted(f"repair_{step}", "invalid_tool_call", {"raw": bad.raw[:200]})
-                yield ToolCallFinished(f"repair_{step}", "invalid_tool_call", False, bad.error.splitlines()[0])
-                steps.extend(repair_messages(splitter.buffer, bad))
-                turn.steps.append({"name": "invalid_tool_call", "arguments": {"raw": bad.raw[:200]}, "ok": False,
-                                   "summary": bad.error.splitlines()[0]})
-            else:
-                offer_tools = False
-                yield Notice("The model could not write a valid tool call; it answers without tools.")
-
-    def _auto_retrieve(self, question: str, tools: dict[str, Tool], ledger: SourceLedger) -> Iterator[TurnEvent]:
-        """Passages for the question from the conversation's documents (rendered, best first)."""
-        search = tools.get("search_documents")
-        handle = getattr(search, "handle", None)
-        if not self.options.auto_retrieve or handle is None:
-            return []
-        from tools.retrieval import MAX_PASSAGE_CHARS, add_hit, doc_name, read_passages
-
-        if WHOLE_DOCUMENT.search(question):
-            documents = [doc_name(d) for d in handle.get().documents()]
-            named = [d for d in documents if d.lower() in question.lower()] or documents[:2]
-            args: dict[str, Any] = {"documents": named}
-            yield ToolCallStarted("auto_read", "read_document", args)
-            passages = [p for d in named for p in read_passages(handle, ledger, d)]
-            rendered, used = [], 0
-            for p in passages:
-                text = p.render()
-                if used + len(text) > self.options.max_read_chars:
-                    break
-                rendered.append(text)
-                used += len(text)
-            yield ToolCallFinished("auto_read", "read_document", True, f"read {len(rendered)} pages")
-            return rendered
-        yield ToolCallStarted("auto_search", "search_documents", {"query": question})
-        hits = handle.get().search(question, self.options.retrieve_k, None)
-        asks_documents = DOCUMENT_WORDS.search(question) is not None
-        wanted = content_words(question)
-        passages = [add_hit(ledger, h) for h in hits if asks_documents or wanted & content_words(h.text)]
-        where = ", ".join(dict.fromkeys(f"{p.doc} p. {p.page}" for p in passages)) or "nothing relevant"
-        yield ToolCallFinished("auto_search", "search_documents", True, where)
-        return [p.render(MAX_PASSAGE_CHARS) for p in passages]
-
     def summarize(self, memory: str, messages: list[Message], max_tokens: int = MAX_MEMORY_TOKENS) -> str:
         """Fold `messages` (and the previous memory) into a short summary, written by the small model."""
         transcript = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
@@ -282,50 +181,6 @@ class Orchestrator:
         return "".join(d.text for d in self.engine.generate(prompt, params)).strip()
 
 
-class _Turn:
-    """Accumulators of one turn (text shown, tokens, steps) shared by the loop and its finaliser."""
-
-    def __init__(self, cid: str, ledger: SourceLedger) -> None:
-        self.cid, self.ledger = cid, ledger
-        self.parts: list[str] = []
-        self.steps: list[dict[str, Any]] = []
-        self.finish, self.model, self.route = "error", "", ""
-        self.prompt_tokens = self.completion_tokens = self.cached_tokens = self.dropped = self.num_calls = 0
-        self.all_prompt_tokens = self._call_completion = self._call_cached = 0
-        self.context_window = 0
-        self.breakdown: dict[str, int] = {}
-        self.memory: dict[str, str] | None = None
-        self.documents = False  # the conversation had documents to cite this turn
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-    def start_call(self, plan: Any, engine: Engine, route: Any) -> None:
-        self.completion_tokens += self._call_completion
-        self.cached_tokens += self._call_cached
-        self._call_completion = self._call_cached = 0
-        self.num_calls += 1
-        self.prompt_tokens, self.dropped = plan.prompt_tokens, max(self.dropped, plan.num_dropped)
-        self.all_prompt_tokens += plan.prompt_tokens
-        self.breakdown = dict(plan.breakdown)
-        self.model, self.route, self.context_window = engine.name, route.role, engine.context_window
-
-    def track(self, delta: Any) -> None:
-        self._call_completion = delta.num_generated_tokens
-        self._call_cached = delta.num_cached_tokens
-        if delta.finish_reason:
-            self.finish = delta.finish_reason
-            self.completion_tokens += self._call_completion
-            self.cached_tokens += self._call_cached
-            self._call_completion = self._call_cached = 0
-
-    def usage_meta(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "dropped_messages": self.dropped, "cached_tokens": self.cached_tokens, "num_steps": self.num_calls,
-                "all_prompt_tokens": self.all_prompt_tokens, "breakdown": self.breakdown}
-
-
 def _prompt_history(history: list[StoredMessage]) -> tuple[list[Message], list[str], str]:
     """(chat messages, their ids, memory): the active branch after the newest stored summary."""
     memory, start = "", 0
@@ -335,6 +190,6 @@ def _prompt_history(history: list[StoredMessage]) -> tuple[list[Message], list[s
             covered = next((j for j, n in enumerate(history) if n.id == mem.get("through_id")), None)
             if covered is not None:
                 memory, start = mem.get("summary", ""), covered + 1
-    kept = [m for m in history[start:] if m.role in ("user", "assistant") and m.status != "error" and m.content]
+    kept = [m for m in history[start:] if m.role in ("user", "assistant") and m.status not in ("error", "blocked")
+            and m.content and m.meta.get("finish_reason") != "blocked"]
     return [m.as_chat() for m in kept], [m.id for m in kept], memory
-

@@ -57,7 +57,7 @@ messages = Table(
     Column("parent_id", String(32), nullable=True),
     Column("role", String(16), nullable=False),  # system | user | assistant | tool
     Column("content", Text, nullable=False, default=""),
-    Column("status", String(16), nullable=False, default="complete"),  # complete | partial | error
+    Column("status", String(16), nullable=False, default="complete"),  # complete | partial | error | blocked (refused by the input guard)
     Column("meta", JSON, nullable=False, default=dict),  # tool calls, sources, usage, ...
     Column("created_at", Float, nullable=False),
     Index("ix_messages_conversation", "conversation_id"),
@@ -85,7 +85,10 @@ class StoredMessage:
     created_at: float = 0.0
 
     def as_chat(self) -> dict[str, Any]:
-        return {"role": self.role, "content": self.content}
+        """The message as the model sees it: descriptions of the turn's images come before the text."""
+        images = self.meta.get("images") if self.meta else None
+        content = "\n".join(f"[{d}]" for d in images) + "\n" + self.content if images else self.content
+        return {"role": self.role, "content": content}
 
 
 def _new_id() -> str:

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from assistant.cli import EVAL_HELP, command_group
+from assistant.commands import EVAL_HELP, command_group
 from assistant.errors import AssistantError
 
 

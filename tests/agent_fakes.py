@@ -6,11 +6,10 @@ from dataclasses import dataclass
 
 from assistant.config import AssistantConfig
 from assistant.engine.fake import ScriptedEngine
-from assistant.orchestrator import AgentOptions, Orchestrator
+from assistant.app import build_assistant
+from assistant.orchestrator import AgentOptions
 from assistant.store import Store
 from tools.base import Tool, ToolInputError
-from tools.registry import ToolRegistry
-from tools.retrieval import ReadDocumentTool, RetrieverHandle, SearchDocumentsTool
 
 
 class AddTool(Tool):
@@ -96,12 +95,18 @@ MANUAL = {
 }
 
 
-def make_orchestrator(tmp_path, *script, tools=(), retriever=None, context_window=4096, options=None, engine=None):
+def make_assistant(tmp_path, *script, tools=(), retriever=None, context_window=4096, options=None, engine=None,
+                   **seams):
+    """An Assistant from the real composition root, with a scripted engine, an in-memory store, the
+    given tools and (when given) the document tools over a fake retriever."""
     engine = engine or ScriptedEngine(script, context_window=context_window)
-    registry = ToolRegistry(tools)
-    if retriever is not None:
-        handle = RetrieverHandle(lambda: retriever)
-        registry.register(SearchDocumentsTool(handle))
-        registry.register(ReadDocumentTool(handle))
     config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path)})
-    return Orchestrator(engine, Store("sqlite://"), config, tools=registry, options=options or AgentOptions()), engine
+    assistant = build_assistant(config, engine=engine, store=Store("sqlite://"), tools=list(tools),
+                                retriever=retriever,
+                                options=options or AgentOptions(), **seams)
+    return assistant, engine
+
+
+def make_orchestrator(tmp_path, *script, **kwargs):
+    assistant, engine = make_assistant(tmp_path, *script, **kwargs)
+    return assistant.orchestrator, engine

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from assistant.agent import ToolCallSplitter, loads_lenient, parse_reply
-from assistant.events import Notice, TextDelta, ToolCallFinished, ToolCallStarted, Usage
+from assistant.toolcalls import ToolCallSplitter, loads_lenient, parse_reply
+from assistant.events import Notice, TextDelta, ToolCallFinished, ToolCallStarted, TurnStarted, Usage
 from assistant.orchestrator import AgentOptions
 from tests.agent_fakes import AddTool, make_orchestrator
 from tools.base import Tool, ToolContext, ToolInputError, validate_arguments
@@ -98,7 +98,8 @@ def test_text_before_a_call_streams_and_the_call_is_held_back(tmp_path):
                                            '"arguments": {"a": 1, "b": 1}}', "</tool_call>"], "2.", tools=[AddTool()])
     events = list(orch.run_turn(None, "1+1"))
     assert _text(events) == "Let me add. 2."
-    assert isinstance(events[0], TextDelta) and events[0].text == "Let me add. "
+    assert isinstance(events[0], TurnStarted)
+    assert isinstance(events[1], TextDelta) and events[1].text == "Let me add. "
 
 
 def test_no_tools_means_no_specs_and_plain_streaming(tmp_path):
@@ -218,10 +219,10 @@ def test_repeated_call_is_not_rerun_and_the_last_call_asks_for_the_answer(tmp_pa
 
 def test_python_tool_hint_when_code_only_defines_a_function(tmp_path):
     from sandbox.fake import FakeExecutor
-    from tools.code_interpreter import CodeInterpreterTool
+    from tools.code_interpreter import CodeInterpreter
     from tools.python_tool import PythonTool
 
-    tool = PythonTool(CodeInterpreterTool(executor=FakeExecutor(), artifacts_dir=tmp_path))
+    tool = PythonTool(CodeInterpreter(executor=FakeExecutor(), artifacts_dir=tmp_path))
     ctx = ToolContext("c1")
     defined = tool({"code": "def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)"}, ctx)
     assert defined.ok and "print(fib(...))" in defined.text

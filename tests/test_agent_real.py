@@ -53,7 +53,7 @@ def _require_ingest() -> None:
 
 def test_answer_from_an_ingested_pdf_cites_the_right_page(models_dir, tmp_path):
     _require_ingest()
-    from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
     from ingest.pipeline import Ingester
 
     config = _config(tmp_path, models_dir)
@@ -63,7 +63,7 @@ def test_answer_from_an_ingested_pdf_cites_the_right_page(models_dir, tmp_path):
         assert [r.status for r in ingester.ingest([pdf])] == ["added"]
     finally:
         ingester.close()
-    orch = Orchestrator.from_config(config)
+    orch = build_assistant(config).orchestrator
     events = list(orch.run_turn(None, "What is the warranty period of the Zephyr X2?"))
     done = events[-1]
     assert isinstance(done, Done) and done.finish_reason == "stop"
@@ -87,9 +87,9 @@ def test_python_runs_in_the_docker_sandbox(models_dir, tmp_path):
     except ToolUnavailable as e:
         why = str(e)
     need(not why, "the Docker engine and sandbox image", f"{why} (as root: assistant sandbox setup)")
-    from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
 
-    orch = Orchestrator.from_config(_config(tmp_path, models_dir, 200))
+    orch = build_assistant(_config(tmp_path, models_dir, 200)).orchestrator
     python = orch.tools.get("python")
     try:
         # Plain arithmetic, not an algorithm: the test is about the wiring (model -> tool call -> Docker
@@ -158,12 +158,12 @@ def test_three_turn_conversation_survives_a_server_restart(models_dir, tmp_path)
 
 
 def test_overflowing_history_is_summarised_by_the_model(models_dir, tmp_path):
-    from assistant.orchestrator import AgentOptions, Orchestrator
-    from tools.registry import ToolRegistry
+    from assistant.app import build_assistant
+    from assistant.orchestrator import AgentOptions
 
     config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "models_dir": str(models_dir),
                                                      "engine.max_new_tokens": 40, "engine.max_context_tokens": 200})
-    orch = Orchestrator.from_config(config, tools=ToolRegistry(), options=AgentOptions(summarize_overflow=True))
+    orch = build_assistant(config, tools=[], options=AgentOptions(summarize_overflow=True)).orchestrator
     cid = None
     for question in ["My name is Ada and I live in Lisbon. I like sailing and old maps.",
                      "What is the capital of Italy? Answer in one sentence.", "What is 12 times 12?",

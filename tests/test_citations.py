@@ -1,7 +1,7 @@
 """Citations: markers verified against what this turn retrieved; made-up ones dropped; sources stored."""
 
 from assistant.citations import SourceLedger, verify_citations
-from assistant.events import Done, Sources, TextDelta, ToolCallFinished, ToolCallStarted
+from assistant.events import Done, Sources, TextDelta, ToolCallFinished, ToolCallStarted, TurnStarted
 from tests.agent_fakes import MANUAL, FakeRetriever, make_orchestrator
 
 
@@ -115,7 +115,8 @@ def test_no_documents_means_no_retrieval_tools(tmp_path):
     orch, engine = make_orchestrator(tmp_path, "Hi.", retriever=FakeRetriever({}))
     events = list(orch.run_turn(None, "hello"))
     assert engine.tools_seen == [None] and [type(e) for e in events][-1] is Done
-    assert not any(isinstance(e, Sources) for e in events) and isinstance(events[0], TextDelta)
+    assert not any(isinstance(e, Sources) for e in events) and isinstance(events[1], TextDelta)
+    assert isinstance(events[0], TurnStarted)
 
 
 def test_code_indexing_is_not_a_citation():

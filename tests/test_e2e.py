@@ -25,16 +25,16 @@ def _env(models_dir: Path) -> dict[str, str]:
 
 
 def test_orchestrator_answers_from_context(models_dir, tmp_path):
-    from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
 
     config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "models_dir": str(models_dir),
                                                      "engine.max_new_tokens": 64})
-    orch = Orchestrator.from_config(config)
-    first = list(orch.run_turn(None, "What is the capital of France?"))[-1]
-    assert isinstance(first, Done) and "Paris" in first.text
-    second = list(orch.run_turn(first.conversation_id, "And of Italy?"))[-1]
-    assert "Rome" in second.text
-    stored = orch.store.history(first.conversation_id)
+    with build_assistant(config) as assistant:
+        first = list(assistant.turn(None, "What is the capital of France?"))[-1]
+        assert isinstance(first, Done) and "Paris" in first.text
+        second = list(assistant.turn(first.conversation_id, "And of Italy?"))[-1]
+        assert "Rome" in second.text
+        stored = assistant.conversations.history(first.conversation_id)
     assert [m.role for m in stored] == ["user", "assistant", "user", "assistant"]
     assert all(m.status == "complete" for m in stored)
 

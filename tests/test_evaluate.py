@@ -5,7 +5,7 @@ import json
 
 from assistant.cli import build_parser
 from assistant.evaluate import evaluate_answers, format_table, read_qa_file, register
-from tests.agent_fakes import MANUAL, FakeRetriever, make_orchestrator
+from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
 
 
 def test_scores_accuracy_and_citation_page_precision(tmp_path):
@@ -22,9 +22,9 @@ def test_scores_accuracy_and_citation_page_precision(tmp_path):
     items = read_qa_file(qa, warn=warnings.append)
     assert [i.line for i in items] == [1, 2] and len(warnings) == 2 and "Skipping line 3" in warnings[0]
     # answer 1 right and cites page 3 ([1]) plus page 1 (wrong); answer 2 wrong, cites page 2
-    orch, _ = make_orchestrator(tmp_path, "It is 7 years [1] for purifiers [2].", "Every year [1].",
+    assistant, _ = make_assistant(tmp_path, "It is 7 years [1] for purifiers [2].", "Every year [1].",
                                 retriever=FakeRetriever(MANUAL))
-    report = evaluate_answers(orch, items)
+    report = evaluate_answers(assistant, items)
     assert [r.correct for r in report.results] == [True, False]
     assert report.results[0].cited_pages == [3, 1] and report.results[1].cited_pages == [2]
     m = report.metrics()

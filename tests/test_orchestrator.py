@@ -9,7 +9,7 @@ from assistant.config import AssistantConfig
 from assistant.engine.base import SamplingParams
 from assistant.engine.fake import ScriptedEngine
 from assistant.errors import EngineError
-from assistant.events import Done, Error, TextDelta, Usage
+from assistant.events import Done, Error, TextDelta, TurnStarted, Usage
 from assistant.orchestrator import Orchestrator
 from assistant.store import Store
 
@@ -30,7 +30,8 @@ def _answer(events):
 def test_turn_streams_and_persists(make):
     orch, engine = make(["The capital ", "is ", "Paris."])
     events = list(orch.run_turn(None, "What is the capital of France?"))
-    assert [type(e) for e in events] == [TextDelta, TextDelta, TextDelta, Usage, Done]
+    assert [type(e) for e in events] == [TurnStarted, TextDelta, TextDelta, TextDelta, Usage, Done]
+    assert events[0].message_id == events[-1].message_id and events[0].conversation_id == events[-1].conversation_id
     done = events[-1]
     assert _answer(events) == done.text == "The capital is Paris."
     assert done.finish_reason == "stop"
@@ -65,7 +66,8 @@ def test_overflow_drops_oldest_whole_turns(make):
 def test_too_long_input_is_an_error_event_not_a_crash(make):
     orch, _ = make("never", context_window=100)
     events = list(orch.run_turn(None, "w" * 1000, params=SamplingParams(max_tokens=10)))
-    assert isinstance(events[0], Error) and "too long" in events[0].message
+    assert isinstance(events[0], TurnStarted)
+    assert isinstance(events[1], Error) and "too long" in events[1].message
     assert events[-1].finish_reason == "error"
     user, answer = orch.store.history(events[-1].conversation_id)
     assert user.content == "w" * 1000 and answer.status == "error"  # the user's message is kept
@@ -88,6 +90,7 @@ def test_engine_failure_mid_answer_keeps_the_partial_answer(make):
 def test_client_gone_keeps_partial_answer(make):
     orch, _ = make(["one ", "two ", "three"])
     stream = orch.run_turn(None, "count")
+    assert isinstance(next(stream), TurnStarted)
     first = next(stream)
     stream.close()  # the client disconnected
     cid = orch.store.list_conversations()[0].id
@@ -99,6 +102,7 @@ def test_cancel_stops_the_answer(make):
     orch, _ = make(["a", "b", "c"])
     cancel = threading.Event()
     stream = orch.run_turn(None, "go", cancel=cancel)
+    assert isinstance(next(stream), TurnStarted)
     assert next(stream).text == "a"
     cancel.set()
     rest = list(stream)

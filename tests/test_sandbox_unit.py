@@ -12,7 +12,7 @@ from sandbox import kernel, setup
 from sandbox.base import TRUNCATION_MARKER, join_truncated, truncate_output
 from sandbox.fake import FakeExecutor
 from sandbox.pool import SessionPool
-from tools.code_interpreter import CodeInterpreterTool, format_observation
+from tools.code_interpreter import CodeInterpreter, format_observation
 
 MARKER_TEXT = TRUNCATION_MARKER.split("{")[0].strip()  # "[..."
 
@@ -171,12 +171,14 @@ def test_fake_pool_is_bounded(fake):
 
 
 def test_tool_contract():
-    assert CodeInterpreterTool.name == "python" and CodeInterpreterTool.output_type == "string"
-    assert CodeInterpreterTool.inputs["code"]["type"] == "string"
+    from tools.python_tool import PythonTool
+
+    assert PythonTool.name == "python" and PythonTool.output_type == "string"
+    assert PythonTool.inputs["code"]["type"] == "string"
 
 
 def test_tool_reports_output_errors_and_files(tmp_path, fake):
-    tool = CodeInterpreterTool(executor=fake, artifacts_dir=tmp_path)
+    tool = CodeInterpreter(executor=fake, artifacts_dir=tmp_path)
     result = tool.forward("open('a.txt', 'w').write('hi'); print('done')", "conv/1")
     assert result.ok and "done" in result.text and "a.txt" in result.text
     (ref,) = result.artifacts
@@ -216,7 +218,7 @@ def test_agent_wrapper_reads_the_interpreters_result(tmp_path, fake):
     from tools.base import ToolContext
     from tools.python_tool import PythonTool
 
-    tool = PythonTool(CodeInterpreterTool(executor=fake, artifacts_dir=tmp_path))
+    tool = PythonTool(CodeInterpreter(executor=fake, artifacts_dir=tmp_path))
     ok = tool({"code": "open('p.txt', 'w').write('x'); print(6 * 7)"}, ToolContext(conversation_id="c9"))
     assert ok.ok and ok.summary == "42" and len(ok.artifacts) == 1 and "p.txt" in ok.text
     failed = tool({"code": "import nope"}, ToolContext(conversation_id="c9"))

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from tests.agent_fakes import MANUAL, FakeRetriever, make_orchestrator
+from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
 
 
 def _free_port() -> int:
@@ -20,9 +20,10 @@ def served(tmp_path):
 
     from ui.gradio_app import build_app
 
-    orch, engine = make_orchestrator(tmp_path, "Paris.", "Rome.", "Roma!", "Seven years [1].",
-                                     retriever=FakeRetriever({}))
-    app = build_app(orch)
+    assistant, engine = make_assistant(tmp_path, "Paris.", "Rome.", "Roma!", "Seven years [1].",
+                                       retriever=FakeRetriever({}))
+    orch = assistant.orchestrator
+    app = build_app(assistant)
     app.queue()
     port = _free_port()
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, ssr_mode=False)

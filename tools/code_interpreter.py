@@ -1,7 +1,5 @@
-"""The `python` tool: the agent runs code in the conversation's sandbox and reads back the result.
-
-smolagents-style contract (`name`, `description`, `inputs`, `output_type`, lazy `setup()`,
-`forward()`), kept self-contained so it can adopt the project's common Tool base class later.
+"""The code interpreter behind the `python` tool: runs code in the conversation's sandbox and turns
+the output into an observation for the model (lazy `setup()`, `forward(code, conversation_id)`).
 Whatever the code does wrong (exception, timeout, out of memory) comes back as text for the model;
 only our own failures (no Docker, no image) raise `ToolUnavailable`, whose message says how to fix it.
 Artifacts (plots, CSVs) are saved under `artifacts_dir/<conversation>/` and referenced by id, so the
@@ -47,17 +45,9 @@ class CodeToolResult:
         return self.text
 
 
-class CodeInterpreterTool:
-    name = "python"
-    description = (
-        "Run Python 3.11 code in a sandbox (no network, limited CPU, memory and time) and get its "
-        "stdout, stderr and any files it wrote. Variables and files persist between calls within the "
-        "conversation, like notebook cells; the value of a final expression is printed. numpy, pandas "
-        "and matplotlib are available; save plots with plt.savefig('name.png') to show them. "
-        "Uploaded files are readable under /data."
-    )
-    inputs = {"code": {"type": "string", "description": "Python source to run"}}
-    output_type = "string"
+class CodeInterpreter:
+    """Runs code in a conversation's sandbox session and saves what it writes. The model-facing
+    contract (name, description, inputs) is the `python` tool's, in tools/python_tool.py."""
 
     def __init__(
         self,
@@ -123,14 +113,3 @@ def format_observation(output: CodeOutput, artifacts: tuple[ArtifactRef, ...] = 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text).strip(".") or "_"
-
-
-def _check_contract(cls: type) -> None:
-    """Fail at import, not at the first call, when the tool's declaration is incomplete."""
-    assert re.fullmatch(r"[a-z_][a-z0-9_]*", cls.name), cls.name
-    assert cls.description and cls.output_type in ("string", "object"), cls
-    for arg, spec in cls.inputs.items():
-        assert {"type", "description"} <= set(spec), (arg, spec)
-
-
-_check_contract(CodeInterpreterTool)

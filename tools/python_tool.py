@@ -26,15 +26,15 @@ class PythonTool(Tool):
 
     def __init__(self, interpreter: Any) -> None:
         super().__init__()
-        self.interpreter = interpreter  # a code_interpreter.CodeInterpreterTool (or anything with forward(code, cid))
+        self.interpreter = interpreter  # a code_interpreter.CodeInterpreter (or anything with forward(code, cid))
         self._available: bool | None = None
 
     @classmethod
     def from_config(cls, config: Any, *, code_tool: Any = None) -> "PythonTool":
         if code_tool is None:
-            from tools.code_interpreter import CodeInterpreterTool
+            from tools.code_interpreter import CodeInterpreter
 
-            code_tool = CodeInterpreterTool(config)
+            code_tool = CodeInterpreter(config)
         return cls(code_tool)
 
     def setup(self) -> None:
@@ -51,6 +51,11 @@ class PythonTool(Tool):
             except Exception:  # ToolUnavailable, or Docker not installed at all
                 self._available = False
         return self._available
+
+    def close(self) -> None:
+        close = getattr(self.interpreter, "close", None)
+        if callable(close):
+            close()
 
     def forward(self, code: str, ctx: ToolContext) -> ToolResult:
         result = self.interpreter.forward(code, ctx.conversation_id)

@@ -65,6 +65,13 @@ class ToolRegistry:
     def specs(self, conversation_id: str | None) -> list[dict[str, Any]]:
         return [t.spec() for t in self.enabled(conversation_id)]
 
+    def close(self) -> None:
+        """Close the tools that hold resources (the sandbox's containers)."""
+        for tool in self._tools.values():
+            close = getattr(tool, "close", None)
+            if callable(close):
+                close()
+
     def _require(self, name: str) -> None:
         if name not in self._tools:
             raise KeyError(f"no tool named {name!r}; registered: {', '.join(self._tools) or 'none'}")
@@ -76,16 +83,18 @@ def _available(tool: Tool) -> bool:
     return bool(check()) if callable(check) else True
 
 
-def default_registry(config: Any, *, retriever: Any = None, code_tool: Any = None) -> ToolRegistry:
-    """The product's tools: document search/read when the ingest package is present, and `python`
-    when the sandbox package is present. Backends are created lazily, on first use."""
+def default_registry(config: Any, *, handle: Any = None, code_tool: Any = None, python: bool = True) -> ToolRegistry:
+    """The product's tools: document search/read over `handle` (a tools.retrieval.RetrieverHandle, None
+    when documents are not part of this build) and `python` when the sandbox package is present.
+    Backends are created lazily, on first use."""
     registry = ToolRegistry()
-    from tools.retrieval import ReadDocumentTool, RetrieverHandle, SearchDocumentsTool
-
-    handle = RetrieverHandle.from_config(config, retriever=retriever)
     if handle is not None:
+        from tools.retrieval import ReadDocumentTool, SearchDocumentsTool
+
         registry.register(SearchDocumentsTool(handle))
         registry.register(ReadDocumentTool(handle))
+    if not python:
+        return registry
     try:
         from tools.python_tool import PythonTool
     except ImportError:  # the sandbox subsystem is not part of this build

@@ -1,5 +1,7 @@
-"""Document tools over the Retriever seam: `search_documents` (top-k chunks) and `read_document`
-(whole pages, for "summarise the file", "how many…", "compare the two documents").
+"""Document retrieval, the one door through which passages reach the model: the `search_documents`
+(top-k chunks) and `read_document` (whole pages, for "summarise the file", "how many…", "compare
+the two documents") tools, and `DocumentPrefetch`, which the agent loop runs before its first engine
+call so that a question about the documents starts with the right passages in context.
 
 Both register what they return in the turn's SourceLedger, so every passage the model sees has a
 marker `[n]` it can cite and the orchestrator can verify. The retriever is any object with
@@ -11,17 +13,21 @@ marker `[n]` it can cite and the orchestrator can verify. The retriever is any o
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from assistant.citations import Passage, SourceLedger
+from assistant.citations import Passage, SourceLedger, content_words
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
 MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
 DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
+DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
+WHOLE_DOCUMENT = re.compile(r"\b(summari[sz]e|summary|whole|entire|how many|compare|comparison|all the|overview)\b", re.I)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,14 @@ class RetrieverHandle:
             if self._retriever is None:
                 self._retriever = self._factory()
             return self._retriever
+
+    def close(self) -> None:
+        """Close the retriever if it was opened (it holds the embedded index)."""
+        with self._lock:
+            retriever, self._retriever = self._retriever, None
+        close = getattr(retriever, "close", None)
+        if callable(close):
+            close()
 
     def refresh(self) -> None:
         """Forget the cached has_documents() answer (call after ingesting in the same process)."""
@@ -126,6 +140,20 @@ def read_passages(handle: RetrieverHandle, ledger: SourceLedger, document: str,
     return [add_page(ledger, page) for page in found]
 
 
+def render_within(passages: Sequence[Passage], max_chars: int) -> tuple[list[str], list[Passage]]:
+    """The one budget loop: passages rendered in order while they fit in `max_chars` (the first one
+    always), and the passages left over."""
+    rendered: list[str] = []
+    used = 0
+    for i, p in enumerate(passages):
+        text = p.render()
+        if used + len(text) > max_chars and rendered:
+            return rendered, list(passages[i:])
+        rendered.append(text)
+        used += len(text)
+    return rendered, []
+
+
 def _ledger(ctx: ToolContext) -> SourceLedger:
     if ctx.sources is None:
         ctx.sources = SourceLedger()
@@ -184,14 +212,45 @@ class ReadDocumentTool(Tool):
         passages = read_passages(self.handle, _ledger(ctx), document, pages)
         if not passages:
             return ToolResult(f"{document} has no such pages.", ok=False, summary="no pages")
-        parts, used = [], 0
-        for p in passages:
-            rendered = p.render()
-            if used + len(rendered) > MAX_READ_CHARS and parts:
-                rest = [q.page for q in passages[len(parts):]]
-                parts.append(f"(pages {rest} not shown: ask for them with the pages argument)")
-                break
-            parts.append(rendered)
-            used += len(rendered)
+        parts, rest = render_within(passages, MAX_READ_CHARS)
+        if rest:
+            parts.append(f"(pages {[q.page for q in rest]} not shown: ask for them with the pages argument)")
         return ToolResult("\n".join(parts), summary=f"read {passages[0].doc}: {len(passages)} pages",
                           data=passages)
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """What DocumentPrefetch put into the turn: shown to the user as an automatic tool step."""
+
+    tool: str  # "search_documents" or "read_document"
+    arguments: dict[str, Any]
+    passages: list[str]  # rendered "[n] doc p. N: text", best first
+    summary: str  # one line for display
+
+
+class DocumentPrefetch:
+    """Retrieval before the model's first step, through the same handle, ledger and renderings as
+    the tools. A question about whole files (summarise, how many, compare) reads whole pages of the
+    files it names (else the first two), within `max_read_chars`; any other question is searched,
+    and hits that share no content word with it are left out unless it names documents ("file",
+    "pdf", ...), so "compute the 20th Fibonacci number" does not drag a manual into the prompt."""
+
+    def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000) -> None:
+        self.handle, self.k, self.max_read_chars = handle, k, max_read_chars
+
+    def __call__(self, question: str, ledger: SourceLedger) -> Prefetched | None:
+        if not self.handle.has_documents():
+            return None
+        if WHOLE_DOCUMENT.search(question):
+            documents = [doc_name(d) for d in self.handle.get().documents()]
+            named = [d for d in documents if d.lower() in question.lower()] or documents[:2]
+            passages = [p for d in named for p in read_passages(self.handle, ledger, d)]
+            rendered, _ = render_within(passages, self.max_read_chars)
+            return Prefetched("read_document", {"documents": named}, rendered, f"read {len(rendered)} pages")
+        hits = self.handle.get().search(question, self.k, None)
+        asks_documents = DOCUMENT_WORDS.search(question) is not None
+        wanted = content_words(question)
+        passages = [add_hit(ledger, h) for h in hits if asks_documents or wanted & content_words(h.text)]
+        where = ", ".join(dict.fromkeys(f"{p.doc} p. {p.page}" for p in passages)) or "nothing relevant"
+        return Prefetched("search_documents", {"query": question}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where)

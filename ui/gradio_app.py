@@ -1,4 +1,5 @@
-"""`assistant serve`: the Gradio web chat, a thin adapter over Orchestrator.run_turn.
+"""The Gradio web chat: a thin renderer of the turn's event stream, over the `Assistant` facade
+(assistant/app.py). The server (assistant/server/app.py) mounts it at /.
 
 Each browser session (and each `gradio_client.Client`) keeps its conversation id in a `gr.State`, so
 a conversation continues across turns and is stored server-side; the Chatbot only renders. API
@@ -24,11 +25,11 @@ from assistant.events import Done, Error, Notice, Sources, TextDelta, ToolCallFi
 TITLE = "Offline Assistant"
 
 
-def _stream_answer(orchestrator: Any, message: str, conversation_id: str | None, *,
+def _stream_answer(assistant: Any, message: str, conversation_id: str | None, *,
                    events: Any = None) -> Iterator[tuple[str, str | None, str]]:
     """Yield (answer so far, conversation id, status line) while the turn runs."""
     answer, status, sources = "", "", ""
-    stream = events if events is not None else orchestrator.run_turn(conversation_id, message)
+    stream = events if events is not None else assistant.turn(conversation_id, message)
     for event in stream:
         if isinstance(event, TextDelta):
             answer += event.text
@@ -65,12 +66,12 @@ def format_sources(event: Sources) -> str:
     return "\n\n**Sources**\n" + "\n".join(lines)
 
 
-def render_history(store: Any, conversation_id: str | None) -> list[dict]:
+def render_history(conversations: Any, conversation_id: str | None) -> list[dict]:
     """The active branch of a stored conversation as Chatbot messages (sources under each answer)."""
     if not conversation_id:
         return []
     out = []
-    for m in store.history(conversation_id):
+    for m in conversations.history(conversation_id):
         if m.role not in ("user", "assistant"):
             continue
         content = m.content
@@ -82,7 +83,7 @@ def render_history(store: Any, conversation_id: str | None) -> list[dict]:
     return out
 
 
-def build_app(orchestrator: Any) -> Any:
+def build_app(assistant: Any) -> Any:
     import gradio as gr
 
     with gr.Blocks(title=TITLE) as app:
@@ -103,13 +104,13 @@ def build_app(orchestrator: Any) -> Any:
                 yield "", history, cid, ""
                 return
             history += [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-            for answer, cid, line in _stream_answer(orchestrator, message, cid):
+            for answer, cid, line in _stream_answer(assistant, message, cid):
                 history[-1] = {"role": "assistant", "content": answer}
                 yield "", history, cid, line
 
         def ask(message: str, cid: str | None):
             answer = ""
-            for answer, cid, _ in _stream_answer(orchestrator, (message or "").strip(), cid):
+            for answer, cid, _ in _stream_answer(assistant, (message or "").strip(), cid):
                 yield answer, cid
 
         def new_chat():
@@ -119,24 +120,24 @@ def build_app(orchestrator: Any) -> Any:
             if not cid:
                 yield [], cid, "Nothing to regenerate yet."
                 return
-            history = render_history(orchestrator.store, cid)[:-1] + [{"role": "assistant", "content": ""}]
-            for answer, cid, line in _stream_answer(orchestrator, "", cid, events=orchestrator.regenerate(cid)):
+            history = render_history(assistant.conversations, cid)[:-1] + [{"role": "assistant", "content": ""}]
+            for answer, cid, line in _stream_answer(assistant, "", cid, events=assistant.regenerate(cid)):
                 history[-1] = {"role": "assistant", "content": answer}
                 yield history, cid, line
 
         def resume(cid: str):
             cid = (cid or "").strip()
             try:
-                orchestrator.store.get_conversation(cid)
+                assistant.conversations.get(cid)
             except AssistantError as e:
                 raise gr.Error(str(e)) from e
-            return render_history(orchestrator.store, cid), cid
+            return render_history(assistant.conversations, cid), cid
 
         def current(cid: str | None):
             return cid or ""
 
         def past_conversations():
-            return gr.update(choices=[(f"{c.title or c.id}", c.id) for c in orchestrator.store.list_conversations()[:50]])
+            return gr.update(choices=[(f"{c.title or c.id}", c.id) for c in assistant.conversations.list()[:50]])
 
         outputs = [box, chatbot, conversation, status]
         box.submit(chat, [box, chatbot, conversation], outputs, api_name="chat")

@@ -7,19 +7,30 @@ answers go to stdout (status lines go to stderr), so `printf 'What is 2+2?\\n' |
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from assistant.config import AssistantConfig
 from assistant.events import Done, Error, Notice, TextDelta
 
 
-def run_repl(config: AssistantConfig, conversation_id: str | None = None, *, orchestrator=None,
-             stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> int:
-    if orchestrator is None:
-        from assistant.orchestrator import Orchestrator
+def register(subparsers: Any, add_common: Any) -> None:
+    """`assistant chat` (see assistant/commands.py)."""
+    chat = subparsers.add_parser("chat", help="chat in the terminal (reads stdin when piped)")
+    add_common(chat)
+    chat.add_argument("--conversation", default=None, help="continue this conversation id")
+    chat.set_defaults(func=lambda args, config: run_repl(config, conversation_id=args.conversation))
+
+
+def run_repl(config: AssistantConfig, conversation_id: str | None = None, *, assistant: Any = None,
+             stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Chat until end of input; builds its own Assistant unless one is given (and then closes it)."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if assistant is None:
+        from assistant.app import build_assistant
 
         print("Loading the model...", file=stderr, flush=True)
-        orchestrator = Orchestrator.from_config(config)
+        with build_assistant(config) as built:
+            return run_repl(config, conversation_id, assistant=built, stdin=stdin, stdout=stdout, stderr=stderr)
     interactive = stdin.isatty()
     failures = 0
     while True:
@@ -40,7 +51,7 @@ def run_repl(config: AssistantConfig, conversation_id: str | None = None, *, orc
             continue
         if interactive:
             stdout.write("assistant> ")
-        for event in orchestrator.run_turn(conversation_id, text):
+        for event in assistant.turn(conversation_id, text):
             if isinstance(event, TextDelta):
                 stdout.write(event.text)
                 stdout.flush()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
@@ -54,14 +54,6 @@ class TokenDelta:
     num_prompt_tokens: int = 0  # tokens in the prompt (after the chat template)
     num_generated_tokens: int = 0  # tokens generated so far
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
-
-
-@dataclass
-class EngineStats:
-    num_requests: int = 0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine(ABC):

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 from assistant.config import AssistantConfig
 from assistant.errors import ModelError
+from assistant.models import MODELS, known_model_names, load_gguf, prepared_path, resolve_model_name
 
 
 @dataclass
@@ -61,30 +62,8 @@ def set_threads(num_threads: int) -> int:
     return num_threads
 
 
-def load_gguf(path: Path, dtype=None):
-    """Load (and de-quantise) a GGUF file with transformers. Slow: 25-80 s for 0.5B on 2 vCPU."""
-    torch = _require_torch()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
-    except Exception as e:  # transformers raises many types for a bad file
-        raise ModelError(f"Could not load GGUF {path}: {e}. Check that it is a complete GGUF chat model.") from e
-    # A de-quantised GGUF model still carries quantizer markers that make save_pretrained refuse.
-    for attr in ("hf_quantizer", "quantization_method"):
-        if hasattr(model, attr):
-            setattr(model, attr, None)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False
-    return model, tokenizer
-
-
 def resolve_model_path(config: AssistantConfig) -> Path:
     """Where the configured model's files are; raise a fix-it error when it is not prepared."""
-    from assistant.models import MODELS, known_model_names, prepared_path, resolve_model_name
 
     name = config.engine.model
     if name in known_model_names():

@@ -25,7 +25,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from assistant.errors import ModelError
 
@@ -190,10 +190,31 @@ def _assemble(spec: ModelSpec, sources: list[Path], dest: Path, *, progress: boo
 
 def _convert_gguf(model_dir: Path, gguf_name: str, *, progress: bool) -> None:
     """GGUF -> fp32 safetensors + tokenizer in the same directory (transformers de-quantises)."""
-    from assistant.engine.loading import load_gguf
 
     if progress:
         print(f"Converting {gguf_name} to safetensors (one time, about a minute)...", flush=True)
     model, tokenizer = load_gguf(model_dir / gguf_name)
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
+
+
+def load_gguf(path: Path, dtype: Any = None) -> tuple[Any, Any]:
+    """Load (and de-quantise) a GGUF file with transformers: (model, tokenizer). Slow: 25-80 s for
+    0.5B on 2 vCPU, which is why `prepare_model` converts it to safetensors once."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
+    except Exception as e:  # transformers raises many types for a bad file
+        raise ModelError(f"Could not load GGUF {path}: {e}. Check that it is a complete GGUF chat model.") from e
+    # A de-quantised GGUF model still carries quantizer markers that make save_pretrained refuse.
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    return model, tokenizer

@@ -1,7 +1,12 @@
-"""The server app: one FastAPI application with every route group mounted in one place.
+"""The server app: one FastAPI application; every route group is declared in `create_app`.
 
-`create_app(config, orchestrator)` mounts the OpenAI-compatible API under /v1 and the Gradio web
-chat at /; `serve(config)` builds everything and runs it with uvicorn until Ctrl-C.
+    /v1/...          OpenAI-compatible API over the raw models (assistant/server/openai.py)
+    /api/turns ...   the full assistant turn as server-sent TurnEvents (assistant/server/turns.py)
+    /                the Gradio web chat (ui/gradio_app.py), mounted last
+
+Each concern of the gateway (keys: auth.py; later limits, usage, metrics) is one module here. The
+server owns no component: `serve(config)` builds the app's `Assistant` (assistant/app.py) and closes
+it on the way out.
 """
 
 from __future__ import annotations
@@ -13,36 +18,53 @@ from assistant.config import AssistantConfig
 TITLE = "Offline Assistant"
 
 
-def create_app(config: AssistantConfig, orchestrator: Any) -> Any:
-    """One ASGI app: the OpenAI-compatible API under /v1 and the web chat at /."""
-    import gradio as gr
+def create_app(assistant: Any, *, web_chat: bool = True) -> Any:
+    """One ASGI app over an Assistant: the API routes, then the web chat at /."""
     from fastapi import FastAPI
 
     from assistant.server.openai import create_api
+    from assistant.server.turns import create_turn_routes
+
+    config = assistant.config
+    app = FastAPI(title=TITLE)
+    app.include_router(create_api(assistant.models.engine(), model_name=assistant.models.default,
+                                  api_keys=config.api_keys))
+    app.include_router(create_turn_routes(assistant, config.api_keys))
+    if not web_chat:
+        return app
+    import gradio as gr
+
     from ui.gradio_app import build_app
 
-    app = FastAPI(title=TITLE)
-    app.include_router(create_api(orchestrator.engine, model_name=config.engine.model, api_keys=config.api_keys))
-    blocks = build_app(orchestrator)
+    blocks = build_app(assistant)
     blocks.queue(default_concurrency_limit=4)
     return gr.mount_gradio_app(app, blocks, path="/", footer_links=["api"], ssr_mode=False)
 
 
-def serve(config: AssistantConfig, *, orchestrator: Any = None) -> None:
-    """Load the model, then serve the web chat and the /v1 API until Ctrl-C."""
+def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
+    """Load the model, then serve the web chat and the APIs until Ctrl-C."""
     import uvicorn
 
-    if orchestrator is None:
-        from assistant.orchestrator import Orchestrator
+    from assistant.app import build_assistant
 
+    if assistant is None:
         print(f"Loading model {config.engine.model}...", flush=True)
-        orchestrator = Orchestrator.from_config(config)
-    app = create_app(config, orchestrator)
-    base = f"http://{config.server.host}:{config.server.port}"
-    print(f"Web chat on {base}  ·  OpenAI-compatible API on {base}/v1  (Ctrl-C to stop)", flush=True)
+        assistant = build_assistant(config)
     try:
+        app = create_app(assistant)
+        base = f"http://{config.server.host}:{config.server.port}"
+        print(f"Web chat on {base}  ·  OpenAI-compatible API on {base}/v1  (Ctrl-C to stop)", flush=True)
         uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning",
                     timeout_graceful_shutdown=3)  # open streams (browser tabs) must not block Ctrl-C
     finally:
-        orchestrator.engine.close()
+        assistant.close()
         print("Stopped.", flush=True)
+
+
+def register(subparsers: Any, add_common: Any) -> None:
+    """`assistant serve` (see assistant/commands.py)."""
+    serve_parser = subparsers.add_parser("serve", help="serve the web chat and the APIs on http://HOST:PORT")
+    add_common(serve_parser)
+    serve_parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
+    serve_parser.add_argument("--port", type=int, default=None, help="port (default 7860)")
+    serve_parser.set_defaults(func=lambda args, config: serve(config) or 0)

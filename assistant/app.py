@@ -1,0 +1,263 @@
+"""The composition root: `build_assistant(config) -> Assistant`, the one place the app is wired.
+
+It builds the engine(s) and the router, the store, the retriever handle with its prefetch, the tool
+registry, and the guard and modality slots (no-op defaults from assistant/seams.py until their real
+backends plug in), and it owns their lifetimes: `Assistant.close()` closes everything it opened.
+Every front end (CLI, web chat, terminal, eval, HTTP server, notebook widget) gets an `Assistant`
+and uses only its facade:
+
+    assistant.turn(conversation_id, UserInput | str)  -> Iterator[TurnEvent]   (and regenerate, edit)
+    assistant.conversations   list / history / rename / delete / export / branches / switch
+    assistant.documents       ingest / list / delete
+    assistant.models          ids / generate (raw completions for /v1) / count_tokens
+
+Nothing outside this module reaches into `.engine`, `.store` or the retriever.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from assistant.agent_loop import AgentOptions
+from assistant.config import AssistantConfig
+from assistant.engine.base import Engine, Message, SamplingParams, TokenDelta
+from assistant.errors import AssistantError, ConfigError
+from assistant.events import ToolCallFinished, ToolCallStarted, TurnEvent
+from assistant.orchestrator import Orchestrator
+from assistant.routing import Router
+from assistant.seams import Attachment, InputGuard, PreStage, StreamTransformer, UserInput
+from assistant.store import Conversation, Store, StoredMessage
+
+
+class Conversations:
+    """Stored conversations (the active branch of each, and its alternatives)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def list(self) -> list[Conversation]:
+        return self._store.list_conversations()
+
+    def get(self, conversation_id: str) -> Conversation:
+        return self._store.get_conversation(conversation_id)
+
+    def history(self, conversation_id: str) -> list[StoredMessage]:
+        return self._store.history(conversation_id)
+
+    def message(self, message_id: str) -> StoredMessage:
+        return self._store.get_message(message_id)
+
+    def siblings(self, message_id: str) -> list[StoredMessage]:
+        return self._store.siblings(message_id)
+
+    def rename(self, conversation_id: str, title: str) -> None:
+        self._store.rename_conversation(conversation_id, title)
+
+    def delete(self, conversation_id: str) -> None:
+        self._store.delete_conversation(conversation_id)
+
+    def switch(self, conversation_id: str, message_id: str) -> StoredMessage:
+        return self._store.switch_branch(conversation_id, message_id)
+
+    def export(self, conversation_id: str, fmt: str = "json") -> str:
+        from assistant.conversations import export_json, export_markdown
+
+        return export_markdown(self._store, conversation_id) if fmt == "md" else export_json(self._store, conversation_id)
+
+
+class Documents:
+    """The user's document library: ingestion goes through the retriever's own index, because an
+    embedded index has one owner process (the one that also answers searches)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle  # tools.retrieval.RetrieverHandle, or None when ingest/ is not installed
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def _retriever(self) -> Any:
+        if self._handle is None:
+            raise ConfigError("Documents are not part of this build: run `make setup` or pip install -e '.[ingest]'.")
+        return self._handle.get()
+
+    def ingest(self, paths: Iterable[str | Path], on_progress: Callable[[str, int], None] | None = None) -> Iterator[Any]:
+        """Ingest files; yields one ingest.pipeline.FileResult per file (failed ones say why)."""
+        from ingest.pipeline import expand_paths
+
+        ingester = self._retriever().ingester()
+        try:
+            yield from ingester.ingest(expand_paths(paths), on_progress)
+        finally:
+            self._handle.refresh()
+
+    def list(self) -> list[dict]:
+        return list(self._retriever().documents()) if self._handle is not None and self._handle.has_documents() else []
+
+    def delete(self, doc: str) -> dict:
+        try:
+            return self._retriever().ingester().delete(doc)
+        finally:
+            self._handle.refresh()
+
+
+class Models:
+    """The chat models as raw completion engines (the /v1 API's raw model ids)."""
+
+    def __init__(self, config: AssistantConfig, router: Router) -> None:
+        self._config, self._router = config, router
+        self.default = config.engine.model
+
+    def ids(self) -> list[str]:
+        large = self._config.engine.large_model
+        return [self.default] + ([large] if large and large != self.default else [])
+
+    def engine(self, model_id: str | None = None) -> Engine:
+        if model_id in (None, "", self.default) or model_id not in self.ids():
+            return self._router.small
+        return self._router.large()
+
+    def generate(self, messages: Sequence[Message], params: SamplingParams, *, model: str | None = None,
+                 tools: Sequence[dict] | None = None, cancel: threading.Event | None = None) -> Iterator[TokenDelta]:
+        return self.engine(model).generate(list(messages), params, tools=tools, cancel=cancel)
+
+    def count_tokens(self, messages: Sequence[Message], *, tools: Sequence[dict] | None = None) -> int:
+        return self._router.small.count_tokens(list(messages), tools=tools)
+
+    @property
+    def context_window(self) -> int:
+        return self._router.context_window
+
+
+@dataclass
+class Assistant:
+    """The facade every front end uses (see the module docstring)."""
+
+    config: AssistantConfig
+    orchestrator: Orchestrator
+    conversations: Conversations
+    documents: Documents
+    models: Models
+    _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def turn(self, conversation_id: str | None, user_input: UserInput | str, *, params: SamplingParams | None = None,
+             cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
+        return self.orchestrator.run_turn(conversation_id, user_input, params=params, cancel=cancel)
+
+    def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
+                   cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
+        return self.orchestrator.regenerate(conversation_id, params=params, cancel=cancel)
+
+    def edit(self, conversation_id: str, message_id: str, text: str, *, params: SamplingParams | None = None,
+             cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
+        return self.orchestrator.edit(conversation_id, message_id, text, params=params, cancel=cancel)
+
+    def default_params(self, **overrides: Any) -> SamplingParams:
+        return replace(self.orchestrator.default_params(), **overrides)
+
+    def close(self) -> None:
+        """Close everything build_assistant opened, newest first; safe to call twice."""
+        while self._closers:
+            try:
+                self._closers.pop()()
+            except Exception:  # closing must go on: the other resources still need it
+                pass
+
+    def __enter__(self) -> "Assistant":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, store: Store | None = None,
+                    tools: Sequence[Any] | None = None, retriever: Any = None, code_tool: Any = None,
+                    options: AgentOptions | None = None, input_guard: InputGuard | None = None,
+                    transformers: Sequence[StreamTransformer] = (), prestage: PreStage | None = None) -> Assistant:
+    """Wire the app from `config`. Every argument but `config` replaces one seam's real default (tests
+    pass fakes); whatever is built here is closed by `Assistant.close()`, what is passed in is not.
+    `tools`: None = the product's tools (documents and the sandboxed `python`); a list = the document
+    tools plus exactly these."""
+    closers: list[Callable[[], None]] = []
+    try:
+        if engine is None:
+            from assistant.engine import create_engine
+
+            engine = create_engine(config)
+            closers.append(engine.close)
+        router = _router(config, engine)
+        closers.append(router.close)
+        if store is None:
+            store = Store(config.store_url)
+            closers.append(store.close)
+        handle = _retriever_handle(config, retriever)
+        if handle is not None and retriever is None:
+            closers.append(handle.close)
+        from tools.registry import default_registry
+
+        registry = default_registry(config, handle=handle, code_tool=code_tool, python=tools is None)
+        for tool in tools or ():
+            registry.register(tool)
+        closers.append(registry.close)
+        prefetch = None
+        if handle is not None:
+            from tools.retrieval import DocumentPrefetch
+
+            prefetch = DocumentPrefetch(handle, k=min(config.retrieval.top_k, 4))
+        documents = Documents(handle)
+        orchestrator = Orchestrator(engine, store, config, tools=registry, router=router, options=options,
+                                    prefetch=prefetch, input_guard=input_guard, transformers=transformers,
+                                    prestage=prestage,
+                                    ingest_files=_ingest_into(documents, Path(config.data_dir) / "uploads"))
+    except BaseException:
+        for close in reversed(closers):
+            close()
+        raise
+    return Assistant(config, orchestrator, Conversations(store), documents, Models(config, router), closers)
+
+
+def _router(config: AssistantConfig, engine: Engine) -> Router:
+    large_model = config.engine.large_model
+    if not large_model:
+        return Router(engine)
+    from assistant.engine import create_engine
+
+    large_config = replace(config, engine=replace(config.engine, model=large_model))
+    return Router(engine, lambda: create_engine(large_config))
+
+
+def _retriever_handle(config: AssistantConfig, retriever: Any) -> Any:
+    try:
+        from tools.retrieval import RetrieverHandle
+    except ImportError:  # tools/ without its retrieval backend: no documents
+        return None
+    return RetrieverHandle.from_config(config, retriever=retriever)
+
+
+def _ingest_into(documents: Documents, uploads: Path) -> Callable[[str, Sequence[Attachment]], Iterator[TurnEvent]]:
+    """Files attached to a turn are saved under uploads/<conversation>/ and ingested into the library
+    before the question is answered (shown as a tool step)."""
+
+    def ingest(conversation_id: str, files: Sequence[Attachment]) -> Iterator[TurnEvent]:
+        if not documents.available:
+            raise ConfigError("Attached files need the document tools: run `make setup` or pip install -e '.[ingest]'.")
+        folder = uploads / conversation_id
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for f in files:
+            target = folder / Path(f.name).name
+            target.write_bytes(f.read())
+            paths.append(target)
+        yield ToolCallStarted("ingest_files", "ingest", {"files": [p.name for p in paths]})
+        results = list(documents.ingest(paths))
+        failed = [f"{r.path.name}: {r.error}" for r in results if r.status == "failed"]
+        summary = "; ".join(failed) or f"ingested {len(results)} file(s)"
+        yield ToolCallFinished("ingest_files", "ingest", not failed, summary)
+        if failed and len(failed) == len(results):
+            raise AssistantError(f"No attached file could be read: {summary}")
+
+    return ingest
+

@@ -1,0 +1,110 @@
+"""The turn's seams: what a turn takes in, and the slots that guards and modalities plug into.
+
+Every slot has a no-op default, so the core runs with nothing plugged in:
+  * `UserInput`          text plus optional audio, images and files, from any front end;
+  * `PreStage`           speech -> text and image -> description, before anything else sees the turn;
+  * `InputGuard`         checks the user's message before it is stored, and every retrieved or tool
+                         text before it enters the context (the agent loop's `observe()`);
+  * `StreamTransformer`  wraps the one place where answer text is emitted: an output guard (redaction,
+                         one sentence of hold-back) or a sentence-to-speech transformer that adds
+                         AudioChunk events. Transformers are chained in order; what the last one emits
+                         is what the user sees and what is stored.
+The real backends (tools/speech, tools/vision, assistant/safety) implement these; tests plug in fakes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from assistant.errors import ToolUnavailable
+from assistant.events import TurnEvent
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """One file of a turn: bytes in memory or a path on disk (exactly one of the two)."""
+
+    name: str  # file name as the user gave it, e.g. "question.wav"
+    data: bytes = field(default=b"", repr=False)
+    path: Path | None = None
+    mime_type: str = ""  # "" = guess from the name
+
+    def read(self) -> bytes:
+        return self.path.read_bytes() if self.path is not None else self.data
+
+
+@dataclass(frozen=True)
+class UserInput:
+    """What a user sends in one turn. `text` may be empty when audio carries the question."""
+
+    text: str = ""
+    audio: Attachment | None = None  # speech; its transcript becomes the user's message
+    images: tuple[Attachment, ...] = ()  # pictures; their descriptions enter the model's context
+    files: tuple[Attachment, ...] = ()  # documents to ingest before the question is answered
+
+    @classmethod
+    def of(cls, value: "UserInput | str") -> "UserInput":
+        return value if isinstance(value, UserInput) else cls(text=value)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A guard's decision about one text."""
+
+    allowed: bool = True
+    category: str = ""  # e.g. "prompt_injection"
+    score: float = 0.0
+    threshold: float = 0.0
+    detector: str = ""  # which detector decided
+    reason: str = ""  # for the user: why, and what they can do
+
+
+ALLOWED = Verdict()
+
+
+class InputGuard(Protocol):
+    def check(self, text: str, *, where: str) -> Verdict:
+        """where: "input" (the user's message), "retrieved" (document passages) or "tool" (tool output)."""
+        ...
+
+
+class AllowAll:
+    """The default input guard: lets everything through."""
+
+    def check(self, text: str, *, where: str) -> Verdict:
+        return ALLOWED
+
+
+class StreamTransformer:
+    """Wraps emitted answer text. `feed` gets each TextDelta (and any event an earlier transformer
+    emitted) and returns the events to emit in its place; `finish` flushes what it held back at the end
+    of the answer. The default passes everything through."""
+
+    def feed(self, event: TurnEvent) -> Sequence[TurnEvent]:
+        return (event,)
+
+    def finish(self) -> Sequence[TurnEvent]:
+        return ()
+
+
+class PreStage(Protocol):
+    def transcribe(self, audio: Attachment) -> str:
+        """The words spoken in `audio` ("" when there is no speech)."""
+        ...
+
+    def describe(self, image: Attachment) -> str:
+        """A compact description of the image for the model's context."""
+        ...
+
+
+class NoModalities:
+    """The default pre-stage: no speech or vision backend is plugged in, so such input is refused
+    with a message that says so (never silently dropped)."""
+
+    def transcribe(self, audio: Attachment) -> str:
+        raise ToolUnavailable(f"Speech input ({audio.name}) is not available in this build: type the question instead.")
+
+    def describe(self, image: Attachment) -> str:
+        raise ToolUnavailable(f"Image input ({image.name}) is not available in this build: describe the picture in words.")
