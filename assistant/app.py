@@ -155,6 +155,16 @@ class Assistant:
              cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
         return self.orchestrator.edit(conversation_id, message_id, text, params=params, cancel=cancel)
 
+    def prompt_texts(self) -> list[str]:
+        """Every fixed text the model is shown besides the user's: the system prompt, the tools'
+        descriptions and the instructions the turn adds. An answer that repeats any of them leaked it."""
+        from assistant import agent_loop, context
+
+        tools = [t.description for t in self.orchestrator.tools.enabled(None)]
+        instructions = [context.context_message(["{passages}"])["content"], agent_loop.FINAL_ANSWER["content"],
+                        agent_loop.REPEATED_CALL, agent_loop.UNTRUSTED]
+        return [self.config.system_prompt, *tools, *instructions]
+
     def default_params(self, **overrides: Any) -> SamplingParams:
         return replace(self.orchestrator.default_params(), **overrides)
 
