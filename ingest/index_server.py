@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 from ingest.errors import VectorIndexError
-from ingest.index import (DENSE, INTEGER_FIELDS, KEYWORD_FIELDS, RRF_K, SPARSE, IndexPoint, Not,
-                          ScoredPayload, VectorIndex, Where, check_mode)
+from ingest.index_base import (DENSE, INTEGER_FIELDS, KEYWORD_FIELDS, RRF_K, SPARSE, IndexPoint, Not,
+                               ScoredPayload, VectorIndex, Where, check_mode)
 
 
 class QdrantServerIndex(VectorIndex):
