@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ingest.errors import VectorIndexError
-from ingest.index_base import (DENSE, INTEGER_FIELDS, KEYWORD_FIELDS, RRF_K, SPARSE, IndexPoint, Not, ScoredPayload,
-                               VectorIndex, Where, check_mode)
+from ingest.index_base import (DENSE, INTEGER_FIELDS, KEYWORD_FIELDS, RRF_K, SPARSE, IndexPoint, ScoredPayload,
+                               VectorIndex, Where, check_mode, dense_vector, qdrant_filter, qdrant_points,
+                               sparse_vector)
 
 
 def check_collection_name(name: str) -> str:
@@ -54,31 +55,12 @@ class EdgeIndex(VectorIndex):
 
     # -- filters --------------------------------------------------------------------------------
     def _filter(self, where: Where):
-        qe = self._qe
-        must, must_not = [], []
-        for key, value in where.items():
-            target = must_not if isinstance(value, Not) else must
-            value = value.value if isinstance(value, Not) else value
-            if isinstance(value, (list, tuple, set)):
-                match = qe.MatchAny(list(value))
-            else:
-                match = qe.MatchValue(value)
-            target.append(qe.FieldCondition(key=key, match=match))
-        if not must and not must_not:
-            return None
-        return qe.Filter(must=must or None, must_not=must_not or None)
+        return qdrant_filter(self._qe, where)
 
     # -- updates --------------------------------------------------------------------------------
     def upsert(self, points: Sequence[IndexPoint]) -> None:
         qe = self._qe
-        batch = []
-        for p in points:
-            vector: dict[str, Any] = {}
-            if p.dense is not None:
-                vector[DENSE] = [float(x) for x in p.dense]
-            if p.sparse is not None:
-                vector[SPARSE] = qe.SparseVector(list(p.sparse[0]), [float(x) for x in p.sparse[1]])
-            batch.append(qe.Point(p.id, vector, p.payload))
+        batch = qdrant_points(qe, qe.Point, points)
         if batch:
             self._shard.update(qe.UpdateOperation.upsert_points(batch))
 
@@ -110,9 +92,8 @@ class EdgeIndex(VectorIndex):
         qe = self._qe
         check_mode(mode, dense, sparse)
         flt = self._filter(where)
-        dense_q = qe.Query.Nearest([float(x) for x in dense], using=DENSE) if dense is not None else None
-        sparse_q = (qe.Query.Nearest(qe.SparseVector(list(sparse[0]), [float(x) for x in sparse[1]]), using=SPARSE)
-                    if sparse is not None else None)
+        dense_q = qe.Query.Nearest(dense_vector(dense), using=DENSE) if dense is not None else None
+        sparse_q = qe.Query.Nearest(sparse_vector(qe, sparse), using=SPARSE) if sparse is not None else None
         if mode == "hybrid":
             request = qe.QueryRequest(
                 limit=limit, with_payload=True, with_vector=False, filter=flt, query=qe.Fusion.Rrf(k=RRF_K),

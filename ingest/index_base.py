@@ -1,4 +1,5 @@
-"""The vector-index seam (`VectorIndex`) and the types and constants its two backends share.
+"""The vector-index seam (`VectorIndex`) with the types and constants its two backends share, and the
+translation of its filters and points into Qdrant's structures that both use.
 
 Every point carries a payload; three kinds share one collection:
   chunk  — dense + sparse vectors, text, doc_id, version, page, heading, char offsets, visible flag
@@ -11,6 +12,9 @@ entirely inside Qdrant: a dense prefetch and a sparse (BM25, IDF modifier) prefe
 
 Backends: `EdgeIndex` (index.py, Qdrant Edge on local disk, the default) and `QdrantServerIndex`
 (index_server.py, a Qdrant server through qdrant-client); `index.open_index` picks the configured one.
+Qdrant Edge (`qdrant_edge`) and qdrant-client (`qdrant_client.models`) name their filter, match,
+sparse-vector and point classes' arguments alike, so `qdrant_filter` and `qdrant_points` build either
+from the module they are given.
 """
 
 from __future__ import annotations
@@ -100,3 +104,40 @@ def check_mode(mode: str, dense, sparse) -> None:
     if mode in ("hybrid", "dense") and dense is None or mode in ("hybrid", "sparse") and sparse is None:
         raise ValueError(f"search mode {mode!r} needs the {'dense and sparse' if mode == 'hybrid' else mode} query vector")
 
+
+# -- Qdrant structures (`models`: the qdrant_edge module, or qdrant_client.models) -------------------
+def qdrant_filter(models: Any, where: Where):
+    """`where` as a Qdrant Filter; None when it has no conditions."""
+    must, must_not = [], []
+    for key, value in where.items():
+        target = must_not if isinstance(value, Not) else must
+        value = value.value if isinstance(value, Not) else value
+        if isinstance(value, (list, tuple, set)):
+            match = models.MatchAny(any=list(value))
+        else:
+            match = models.MatchValue(value=value)
+        target.append(models.FieldCondition(key=key, match=match))
+    if not must and not must_not:
+        return None
+    return models.Filter(must=must or None, must_not=must_not or None)
+
+
+def dense_vector(dense: np.ndarray) -> list[float]:
+    return [float(x) for x in dense]
+
+
+def sparse_vector(models: Any, sparse: SparseVec):
+    return models.SparseVector(indices=list(sparse[0]), values=[float(x) for x in sparse[1]])
+
+
+def qdrant_points(models: Any, point_type: Any, points: Sequence[IndexPoint]) -> list[Any]:
+    """IndexPoints as `point_type` (qdrant_edge.Point, or qdrant_client's PointStruct) with named vectors."""
+    structs = []
+    for p in points:
+        vector: dict[str, Any] = {}
+        if p.dense is not None:
+            vector[DENSE] = dense_vector(p.dense)
+        if p.sparse is not None:
+            vector[SPARSE] = sparse_vector(models, p.sparse)
+        structs.append(point_type(id=p.id, vector=vector, payload=p.payload))
+    return structs
