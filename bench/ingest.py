@@ -138,7 +138,8 @@ def bench_ingest(paths: list[Path], data_dir: Path, threads: int) -> dict:
 
 def bench_query(folder: Path, num_points: int, num_queries: int, dim: int = 384) -> dict:
     from ingest.embed import Bm25Encoder
-    from ingest.index import EdgeIndex, IndexPoint
+    from ingest.index import EdgeIndex
+    from ingest.index_base import IndexPoint
     from ingest.pipeline import point_id
 
     rng, nrng = random.Random(7), np.random.default_rng(7)

@@ -1,13 +1,5 @@
-"""Index: the vector-index seam (`VectorIndex`) and its default backend, Qdrant Edge on local disk.
-
-Every point carries a payload; three kinds share one collection:
-  chunk  — dense + sparse vectors, text, doc_id, version, page, heading, char offsets, visible flag
-  page   — no vectors; the full text of one page (for `Retriever.read`), doc_id, version, visible
-  doc    — no vectors; the ledger record of one document (path, committed version, dirty flag, …)
-
-`Where` is the one filter language of the seam: `{"field": value}` (equal), `{"field": [a, b]}`
-(any of), `{"field": Not(value)}` (not equal); all conditions must hold. Hybrid search runs
-entirely inside Qdrant: a dense prefetch and a sparse (BM25, IDF modifier) prefetch fused by RRF.
+"""Index: the default backend of the vector-index seam (index_base.py), Qdrant Edge on local disk, and
+`open_index`, which opens the configured backend (this one, or index_server.py's Qdrant server).
 
 `EdgeIndex` keeps one Qdrant Edge shard per collection under `<data_dir>/qdrant/<collection>/`. A
 shard is opened by one process at a time; a second opener gets `VectorIndexError` saying so.
@@ -16,93 +8,13 @@ shard is opened by one process at a time; a second opener gets `VectorIndexError
 from __future__ import annotations
 
 import re
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
-
-import numpy as np
+from typing import Any, Iterator, Sequence
 
 from ingest.errors import VectorIndexError
-
-DENSE, SPARSE = "dense", "sparse"  # vector names
-KEYWORD_FIELDS = ("kind", "doc_id", "version", "path", "file_name")
-INTEGER_FIELDS = ("page", "visible", "dirty")  # flags are 0/1: Edge matches booleans as integers
-RRF_K = 60  # RRF constant (score = Σ 1/(k + rank)); the same on every backend
-SEARCH_MODES = ("hybrid", "dense", "sparse")
-
-
-class Not(NamedTuple):
-    value: Any
-
-
-Where = dict[str, Any]
-SparseVec = tuple[list[int], list[float]]  # (indices, values)
-
-
-@dataclass
-class IndexPoint:
-    id: str  # UUID string
-    payload: dict[str, Any]
-    dense: np.ndarray | None = None  # (dim,) float32
-    sparse: SparseVec | None = None
-
-
-@dataclass
-class ScoredPayload:
-    id: str
-    score: float
-    payload: dict[str, Any]
-
-
-class VectorIndex(ABC):
-    """A collection of points with payloads, dense + sparse vectors, and filterable fields."""
-
-    dim: int
-
-    @abstractmethod
-    def upsert(self, points: Sequence[IndexPoint]) -> None: ...
-
-    @abstractmethod
-    def delete(self, where: Where) -> None: ...
-
-    @abstractmethod
-    def set_payload(self, where: Where, payload: dict[str, Any]) -> None: ...
-
-    @abstractmethod
-    def scroll(self, where: Where, *, batch: int = 256) -> Iterator[dict[str, Any]]:
-        """Payloads of every point matching `where` (order unspecified)."""
-
-    @abstractmethod
-    def count(self, where: Where) -> int: ...
-
-    @abstractmethod
-    def query(self, *, dense: np.ndarray | None, sparse: SparseVec | None, limit: int, where: Where,
-              mode: str = "hybrid", candidates: int = 50) -> list[ScoredPayload]:
-        """Top `limit` points: dense / sparse nearest, or both fused by RRF over `candidates` each."""
-
-    def flush(self) -> None:
-        """Make every update durable."""
-
-    def optimize(self) -> bool:
-        """Build indexes for search speed (may take minutes on a large collection)."""
-        return False
-
-    def close(self) -> None:
-        """Release the collection (flushes first)."""
-
-    def __enter__(self) -> "VectorIndex":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def check_mode(mode: str, dense, sparse) -> None:
-    if mode not in SEARCH_MODES:
-        raise ValueError(f"search mode {mode!r}: use one of {', '.join(SEARCH_MODES)}")
-    if mode in ("hybrid", "dense") and dense is None or mode in ("hybrid", "sparse") and sparse is None:
-        raise ValueError(f"search mode {mode!r} needs the {'dense and sparse' if mode == 'hybrid' else mode} query vector")
+from ingest.index_base import (DENSE, INTEGER_FIELDS, KEYWORD_FIELDS, RRF_K, SPARSE, IndexPoint, ScoredPayload,
+                               VectorIndex, Where, check_mode, dense_vector, qdrant_filter, qdrant_points,
+                               sparse_vector)
 
 
 def check_collection_name(name: str) -> str:
@@ -143,31 +55,12 @@ class EdgeIndex(VectorIndex):
 
     # -- filters --------------------------------------------------------------------------------
     def _filter(self, where: Where):
-        qe = self._qe
-        must, must_not = [], []
-        for key, value in where.items():
-            target = must_not if isinstance(value, Not) else must
-            value = value.value if isinstance(value, Not) else value
-            if isinstance(value, (list, tuple, set)):
-                match = qe.MatchAny(list(value))
-            else:
-                match = qe.MatchValue(value)
-            target.append(qe.FieldCondition(key=key, match=match))
-        if not must and not must_not:
-            return None
-        return qe.Filter(must=must or None, must_not=must_not or None)
+        return qdrant_filter(self._qe, where)
 
     # -- updates --------------------------------------------------------------------------------
     def upsert(self, points: Sequence[IndexPoint]) -> None:
         qe = self._qe
-        batch = []
-        for p in points:
-            vector: dict[str, Any] = {}
-            if p.dense is not None:
-                vector[DENSE] = [float(x) for x in p.dense]
-            if p.sparse is not None:
-                vector[SPARSE] = qe.SparseVector(list(p.sparse[0]), [float(x) for x in p.sparse[1]])
-            batch.append(qe.Point(p.id, vector, p.payload))
+        batch = qdrant_points(qe, qe.Point, points)
         if batch:
             self._shard.update(qe.UpdateOperation.upsert_points(batch))
 
@@ -199,9 +92,8 @@ class EdgeIndex(VectorIndex):
         qe = self._qe
         check_mode(mode, dense, sparse)
         flt = self._filter(where)
-        dense_q = qe.Query.Nearest([float(x) for x in dense], using=DENSE) if dense is not None else None
-        sparse_q = (qe.Query.Nearest(qe.SparseVector(list(sparse[0]), [float(x) for x in sparse[1]]), using=SPARSE)
-                    if sparse is not None else None)
+        dense_q = qe.Query.Nearest(dense_vector(dense), using=DENSE) if dense is not None else None
+        sparse_q = qe.Query.Nearest(sparse_vector(qe, sparse), using=SPARSE) if sparse is not None else None
         if mode == "hybrid":
             request = qe.QueryRequest(
                 limit=limit, with_payload=True, with_vector=False, filter=flt, query=qe.Fusion.Rrf(k=RRF_K),

@@ -1,8 +1,9 @@
 """Index backend for a Qdrant server or cluster through qdrant-client (the scale-out path).
 
-Same seam, same payloads, same hybrid query as `EdgeIndex` (dense + sparse-with-IDF prefetches fused
-by RRF with the same constant), so results agree across backends; tests run one shared suite on both,
-with `QdrantClient(":memory:")` standing in for the server.
+Same seam, same payloads, same filter and point translation (index_base.py), same hybrid query as
+`EdgeIndex` (dense + sparse-with-IDF prefetches fused by RRF with the same constant), so results agree
+across backends; tests run one shared suite on both, with `QdrantClient(":memory:")` standing in for
+the server.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 from ingest.errors import VectorIndexError
-from ingest.index import (DENSE, INTEGER_FIELDS, KEYWORD_FIELDS, RRF_K, SPARSE, IndexPoint, Not,
-                          ScoredPayload, VectorIndex, Where, check_mode)
+from ingest.index_base import (DENSE, INTEGER_FIELDS, KEYWORD_FIELDS, RRF_K, SPARSE, IndexPoint, ScoredPayload,
+                               VectorIndex, Where, check_mode, dense_vector, qdrant_filter, qdrant_points,
+                               sparse_vector)
 
 
 class QdrantServerIndex(VectorIndex):
@@ -56,30 +58,10 @@ class QdrantServerIndex(VectorIndex):
         return cls(client, collection, dim)
 
     def _filter(self, where: Where):
-        m = self._m
-        must, must_not = [], []
-        for key, value in where.items():
-            target = must_not if isinstance(value, Not) else must
-            value = value.value if isinstance(value, Not) else value
-            if isinstance(value, (list, tuple, set)):
-                match = m.MatchAny(any=list(value))
-            else:
-                match = m.MatchValue(value=value)
-            target.append(m.FieldCondition(key=key, match=match))
-        if not must and not must_not:
-            return None
-        return m.Filter(must=must or None, must_not=must_not or None)
+        return qdrant_filter(self._m, where)
 
     def upsert(self, points: Sequence[IndexPoint]) -> None:
-        m = self._m
-        structs = []
-        for p in points:
-            vector: dict[str, Any] = {}
-            if p.dense is not None:
-                vector[DENSE] = [float(x) for x in p.dense]
-            if p.sparse is not None:
-                vector[SPARSE] = m.SparseVector(indices=list(p.sparse[0]), values=[float(x) for x in p.sparse[1]])
-            structs.append(m.PointStruct(id=p.id, vector=vector, payload=p.payload))
+        structs = qdrant_points(self._m, self._m.PointStruct, points)
         if structs:
             self._client.upsert(self.collection, structs, wait=True)
 
@@ -110,9 +92,8 @@ class QdrantServerIndex(VectorIndex):
         m = self._m
         check_mode(mode, dense, sparse)
         flt = self._filter(where)
-        dense_q = [float(x) for x in dense] if dense is not None else None
-        sparse_q = (m.SparseVector(indices=list(sparse[0]), values=[float(x) for x in sparse[1]])
-                    if sparse is not None else None)
+        dense_q = dense_vector(dense) if dense is not None else None
+        sparse_q = sparse_vector(m, sparse) if sparse is not None else None
         if mode == "hybrid":
             result = self._client.query_points(
                 self.collection, limit=limit, query_filter=flt, with_payload=True,

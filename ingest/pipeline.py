@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator
 from ingest.chunk import Chunk, Chunker
 from ingest.embed import Bm25Encoder, Embedder
 from ingest.errors import DocumentNotFound, IngestError
-from ingest.index import IndexPoint, Not, VectorIndex
+from ingest.index_base import IndexPoint, Not, VectorIndex
 from ingest.parse import is_supported, parse_file
 
 POINT_NAMESPACE = uuid.UUID("6b1d3a58-3f0e-4bb6-9a57-2f4f3c1e9d10")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ingest.embed import Bm25Encoder, Embedder
-from ingest.index import VectorIndex
+from ingest.index_base import VectorIndex
 from ingest.pipeline import find_document, list_documents
 
 FILTER_FIELDS = ("doc_id", "path", "file_name", "page")

@@ -11,16 +11,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from assistant.engine import int8 as int8_module  # noqa: E402
 from assistant.engine import model as model_module  # noqa: E402
 from assistant.engine import native  # noqa: E402
-from assistant.engine.model import (  # noqa: E402
+from assistant.engine.int8 import (  # noqa: E402
     FBGEMM_MAX_ROWS,
     Linear,
     RowSplit,
-    apply_rope,
     fbgemm_matches_int_mm,
     fbgemm_pack,
 )
+from assistant.engine.model import apply_rope  # noqa: E402
 from tests.conftest import need  # noqa: E402
 
 BACKENDS = ("native", "fbgemm")
@@ -33,7 +34,7 @@ def make_linear(weight, bias, backend: str, monkeypatch) -> Linear:
         if native.unavailable_reason() is not None:
             pytest.skip(f"native kernel: {native.unavailable_reason()}")
     else:
-        monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
+        monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
         if not fbgemm_matches_int_mm():
             pytest.skip("fbgemm is not exact on this CPU")
     lin = Linear(weight, bias, "int8", torch.float32)
@@ -81,7 +82,7 @@ def test_native_kernel_is_used_exactly_where_the_cpu_has_vnni():
 
 
 def test_fbgemm_is_used_where_it_is_exact_and_the_native_kernel_is_not(monkeypatch):
-    monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
+    monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
     int8 = Linear(torch.randn(64, 32), None, "int8", torch.float32)
     assert (int8.packed is not None) == fbgemm_matches_int_mm()
     if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX"):  # x86 with AVX-512 (VNNI here)
@@ -196,7 +197,7 @@ def test_greedy_head_without_the_native_kernel_is_the_full_layer(weights, monkey
 
 def test_mixed_step_without_fbgemm_computes_prompt_and_decode_rows_with_their_own_kernels(weights, monkeypatch):
     weight, bias = weights
-    monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
+    monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
     int8 = Linear(weight, bias, "int8", torch.float32)
     int8.packed = None  # what a build without fbgemm gets: weight-only kernel for generated tokens
     x = torch.randn(6, 256)
@@ -208,7 +209,7 @@ def test_mixed_step_without_fbgemm_computes_prompt_and_decode_rows_with_their_ow
 
 def test_fallback_kernel_without_fbgemm(layer, monkeypatch):
     weight, bias, int8 = layer
-    monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
+    monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
     fallback = Linear(weight, bias, "int8", torch.float32)
     fallback.packed = None  # what a build without fbgemm gets
     x = torch.randn(2, 256)

@@ -197,6 +197,7 @@ def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, 
     native kernels (norm, RoPE + KV write, attention, int8 linears) and with PyTorch ops."""
     import torch
 
+    from assistant.engine import int8 as int8_module
     from assistant.engine import model as model_module
     from assistant.engine import native
     from assistant.engine.kv_cache import KVCache
@@ -206,7 +207,8 @@ def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, 
     if kernels == "native" and native.unavailable_reason() is not None:
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
     if kernels == "pytorch":
-        monkeypatch.setattr(model_module, "int8_kernels", lambda: None)
+        monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)  # the linears
+        monkeypatch.setattr(model_module, "int8_kernels", lambda: None)  # the layer ops
     hf = load_model(tiny_config).model
     lean = Transformer.from_hf(hf, quantize=None if quantize == "none" else quantize)
     assert (lean.ops is not None) == (kernels == "native")

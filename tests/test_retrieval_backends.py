@@ -8,7 +8,8 @@ import pytest
 
 from ingest.chunk import Chunker
 from ingest.embed import Bm25Encoder, HashEmbedder
-from ingest.index import EdgeIndex, IndexPoint, Not
+from ingest.index import EdgeIndex
+from ingest.index_base import IndexPoint, Not
 from ingest.index_server import QdrantServerIndex
 from ingest.pipeline import Ingester, point_id
 from ingest.retriever import Retriever

@@ -9,58 +9,22 @@ model (any local dir or GGUF that transformers loads), so loading stays the libr
 
 Shapes: T = tokens in this step (all sequences), D = hidden, H/KVH = query/kv heads, hd = head dim.
 
-int8 (`quantize="int8"`): per-output-channel symmetric int8 weights and dynamic per-row symmetric
-int8 activations, so every output is an exact int32 dot product, converted to float and scaled by
-the weight's channel scale, then by the row's scale.
-Generated tokens get a second pass: their quantization residual (x - scale * q, at most half a
-step) is quantized at 1/254 of the step and goes into the same GEMM as an extra row, so the
-activations keep ~15 bits while the weights are read once. Measured against fp32 on the bench's 8
-prompts, 48 tokens each, teacher-forced through decode steps (next-token top-1 agreement, greedy
-answers identical): one pass 0.954 (1/8); with the residual pass 0.980-0.989 (4-5/8); bf16
-activations with `_weight_int8pack_mm` 0.974 (4/8); the pass on qkv/o/down only 0.977. (Single
-answers are no measure: `assistant chat` answers "What is 2+2?" with 4 or 6 depending on rounding
-details, and fp32 itself only repeats the question.) Prompt tokens keep one pass: prefill is
-compute-bound, and only a prompt's last token is sampled (its lm_head row gets the pass).
-Kernels, all computing exactly that arithmetic, so a row's output never depends on which one ran:
-  * native.py (default where the CPU has AVX-512 VNNI and g++ is present): up to MAX_ROWS (16) GEMM
-    rows (decode steps, small chunks) go through one fused call (row quantization, residual rows, a
-    VNNI GEMV that streams each weight byte once for up to 8 rows and re-reads it from L2 for the next
-    8, epilogue); more rows through the same kernel-side quantization and epilogue around
-    `torch._int_mm` (oneDNN), which is 2-2.5x faster at 16+ rows. Decode step, Qwen2.5-0.5B, 2
-    threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
-    that time went). A decode step that also takes prompt tokens of another request (chunked
-    prefill) grows ~linearly to 14 of them: 1.6x a decode step with 8, 2.0x with 10 (at 8 GEMM rows
-    the kernel used to hand over to `_int_mm`: 2.2x with 7, 2.6x with 10), which is what the
-    prefill-chunk tuner in local.py assumes when it sizes chunks for its inter-token target.
-  * without it, up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM
-    (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`) with rows quantized here and handed
-    over as integral floats (scale 1, zero point 128), which its own quantization leaves exact
-    (fbgemm's dynamic-quant linear would quantize the whole batch with one scale, making a request's
-    output depend on its batch). `fbgemm_matches_int_mm` checks bit-identity with `_int_mm` once per
-    process, int16 saturation included; where it fails, generated rows use `_weight_int8pack_mm`
-    and prompt rows `_int_mm`: the kernel is then chosen per token (prompt or generated), never by
-    batch size.
-In every case the int8 weights are held twice (the GEMV layout and `_int_mm`'s); decode reads one.
-
-Greedy rows (temperature 0, the default) need only the argmax of the lm_head, which is a quarter of a
-decode step's bytes (136 of 494 MB for Qwen2.5-0.5B). With the native kernels the head also keeps a
-4-bit copy of its weights' high nibbles (+68 MB); `Linear.greedy_logits` streams that, keeps every
-token that could still win (a margin of SCREEN_Z standard deviations of the dropped low nibbles'
-contribution) and computes those candidates exactly, bit for bit the full head's logits
-(csrc/lm_head.cpp has the design note). On the bench's rows: median 2 candidates, the largest
-normalized error seen 5.4 of the 8 allowed, the argmax the full head's on every row; the head costs
-~6 ms instead of ~11. Sampled rows use the full head.
+Every linear layer (fp32/bf16, or int8 with `quantize="int8"`) is int8.py's `Linear`: that module says how
+weights and activations are quantized, which kernel runs which rows and why, and how greedy rows read the
+lm_head through its screened 4-bit copy. The layer ops between the linears (RMSNorm, RoPE with the KV
+write, paged attention, SwiGLU; every layer of a natively attending step in one call) run through
+native.py's kernels where they can (fp32 on CPU), else through the PyTorch ops below.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from assistant.engine.int8 import Linear, RowSplit
 from assistant.engine.native import int8_kernels
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -106,174 +70,6 @@ def unsupported_reason(hf_config: Any) -> str | None:
 
 LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the order csrc/decode_stack.cpp takes them
 ATTEND_MAX_QUERIES = 16  # native attention up to this many new tokens of a sequence (with the layer stack), SDPA beyond
-FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the module docstring)
-SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard deviations (csrc/lm_head.cpp)
-
-
-class Linear:
-    """y = x @ W.T + b, with W kept as fp32/bf16 or as per-channel int8 + scales."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype):
-        self.bias = None if bias is None else bias.to(dtype)
-        self.int8 = quantize == "int8"
-        self.packed = self.native = self.screen = None
-        self.screened_rows = self.screened_candidates = 0  # statistics of `greedy_logits`
-        if self.int8:
-            w = weight.float()
-            self.scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,) fp32
-            self.weight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # (N, K)
-            on_cpu = self.weight.device.type == "cpu"
-            if on_cpu and dtype == torch.float32 and (ext := int8_kernels()) is not None:
-                self.native = ext  # the fused kernel (native.py); the int8 weights above serve prefill
-                self.vnni, self.comp = ext.pack(self.weight)
-                self.bias = None if bias is None else self.bias.contiguous()  # the kernel reads it raw
-            elif on_cpu and fbgemm_matches_int_mm():
-                self.packed = fbgemm_pack(self.weight, self.scale)
-        else:
-            self.weight = weight.to(dtype).contiguous()
-
-    def __call__(self, x: torch.Tensor, rows: "RowSplit | None" = None) -> torch.Tensor:  # (T, K) -> (T, N)
-        if not self.int8:
-            return F.linear(x, self.weight, self.bias)
-        if self.native is not None:
-            return self._native(x, rows)
-        if self.packed is not None:  # generated tokens (and every lm_head row) get the residual pass
-            y = self._int8(x, slice(None) if rows is None or rows.prompt is None else rows.decode)
-        elif rows is None or rows.prompt is None:
-            y = self._weight_only(x)
-        elif rows.decode is None:
-            y = self._int8(x, None)
-        else:
-            y = x.new_empty(x.size(0), self.weight.size(0))
-            y[rows.prompt] = self._int8(x[rows.prompt], None)
-            y[rows.decode] = self._weight_only(x[rows.decode])
-        return y if self.bias is None else y + self.bias
-
-    def _int8(self, x: torch.Tensor, refine: "torch.Tensor | slice | None") -> torch.Tensor:
-        """Per-row int8 activations; the rows in `refine` (all of them: slice(None)) also get their
-        quantization residual, at 1/254 of the row's step, as extra rows of the same GEMM (module
-        docstring). Every op costs microseconds on a decode step's few rows: fewest ops wins."""
-        n = x.size(0)
-        x_scale = x.float().abs().amax(dim=1, keepdim=True).clamp_min_(1e-8).div_(127.0)  # (n, 1)
-        u = torch.div(x, x_scale)  # in [-127, 127]
-        if refine is None:
-            xq = u.round_()
-        elif isinstance(refine, slice):  # a pure decode step: every row, no gathers
-            xq = torch.empty(2 * n, x.size(1), dtype=u.dtype, device=u.device)
-            torch.round(u, out=xq[:n])
-            torch.sub(u, xq[:n], out=xq[n:]).mul_(254.0).round_()
-        else:
-            head = torch.round(u)
-            xq = torch.cat([head, (u[refine] - head[refine]).mul_(254.0).round_()])
-        if self.packed is not None and xq.size(0) <= FBGEMM_MAX_ROWS:
-            acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xq, 1.0, 128, self.packed)
-        else:
-            acc = torch._int_mm(xq.to(torch.int8), self.weight.t()).float().mul_(self.scale)
-        # acc = float(int32 dot) * channel scale, as fbgemm computes it; the residual rows count 1/254
-        if refine is None:
-            y = acc
-        elif isinstance(refine, slice):
-            y = torch.add(acc[:n], acc[n:], alpha=1 / 254.0)
-        else:
-            y = acc[:n].index_add_(0, refine, acc[n:], alpha=1 / 254.0)
-        return y.mul_(x_scale).to(x.dtype)  # then each row's own scale
-
-    def _native(self, x: torch.Tensor, rows: "RowSplit | None") -> torch.Tensor:
-        """The fused kernel for up to its MAX_ROWS GEMM rows, else torch._int_mm between the kernel's own
-        quantization and epilogue: the same arithmetic, so the same row either way."""
-        refine, refined = (rows.refine, rows.num_refined) if rows is not None else (all_rows(x.size(0)), x.size(0))
-        if x.size(0) + refined <= self.native.MAX_ROWS:
-            return self.native.linear(x, self.vnni, self.comp, self.scale, self.bias, refine)
-        xq, x_scale = self.native.quantize(x, refine)
-        return self.native.finish(torch._int_mm(xq, self.weight.t()), self.scale, x_scale, refine, self.bias)
-
-    def prepare_greedy(self) -> None:
-        """Pack the 4-bit screening copy for `greedy_logits` (native int8 only; +half the int8 bytes)."""
-        if self.native is not None:
-            packed, hcomp, mean, sd = self.native.head_pack(self.weight)
-            self.screen = (packed, hcomp, mean, (sd * self.scale).contiguous())
-
-    def greedy_logits(self, x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-        """Logits whose argmax is the full layer's for the rows in `greedy` (bool (n,)), reading half the
-        bytes: exact values for the screened candidates, -inf for the rest (csrc/lm_head.cpp); other
-        rows get the full layer. Used for the lm_head of greedy decode rows."""
-        if self.screen is None or not bool(greedy.any()):
-            return self(x)
-        packed, hcomp, mean, margin = self.screen
-        every = bool(greedy.all())
-        logits, counts = self.native.head_greedy(x if every else x[greedy], packed, hcomp, mean, margin, self.weight,
-                                                 self.comp, self.scale, self.bias, SCREEN_Z)
-        self.screened_rows += counts.numel()
-        self.screened_candidates += int(counts.sum())
-        if every:
-            return logits
-        out = x.new_empty(x.size(0), self.weight.size(0))
-        out[greedy], out[~greedy] = logits, self(x[~greedy])
-        return out
-
-    def _weight_only(self, x: torch.Tensor) -> torch.Tensor:  # the fallback decode kernel without fbgemm
-        return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale.to(torch.bfloat16)).to(x.dtype)
-
-
-def fbgemm_pack(weight: torch.Tensor, scale: torch.Tensor) -> Any:
-    """Prepack int8 (N, K) weights with per-channel scales for fbgemm."""
-    import warnings
-
-    previous = torch.backends.quantized.engine
-    try:
-        torch.backends.quantized.engine = "fbgemm"
-        with warnings.catch_warnings():  # per-channel qint8 tensors are flagged as deprecated API
-            warnings.simplefilter("ignore", UserWarning)
-            qweight = torch._make_per_channel_quantized_tensor(
-                weight, scale.double(), torch.zeros(weight.size(0), dtype=torch.long), 0)
-            return torch.ops.quantized.linear_prepack(qweight, None)
-    finally:
-        torch.backends.quantized.engine = previous
-
-
-@functools.cache
-def fbgemm_matches_int_mm() -> bool:
-    """Whether fbgemm is present and gives rows bit-identical to the `_int_mm` path on this CPU,
-    including the worst case for int16 saturation (all-positive activations times +127 weights)."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return False
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randint(-127, 128, (48, 1024), generator=gen, dtype=torch.int8)
-    weight[0] = 127
-    scale = torch.rand(48, generator=gen) / 100 + 1e-4
-    probe = Linear.__new__(Linear)
-    probe.bias, probe.int8, probe.weight, probe.scale = None, True, weight, scale
-    try:
-        probe.packed = fbgemm_pack(weight, scale)
-    except Exception:  # noqa: BLE001 - an fbgemm that cannot pack here is an fbgemm we do not use
-        return False
-    x = torch.randn(3, 1024, generator=gen) * 5
-    x[0] = x[0].abs()
-    small = probe._int8(x, slice(None))  # 6 rows: fbgemm
-    probe.packed = None
-    return torch.equal(small, probe._int8(x, slice(None)))  # _int_mm
-
-
-@dataclass(frozen=True)
-class RowSplit:
-    """Which rows of a step are prompt tokens; None where a group is empty."""
-
-    prompt: torch.Tensor | None  # (P,) row indices
-    decode: torch.Tensor | None  # (T - P,) row indices
-    refine: torch.Tensor  # (T,) bool: the rows that get the residual pass (generated tokens)
-    num_refined: int
-
-    @classmethod
-    def from_mask(cls, is_prompt: torch.Tensor) -> "RowSplit":
-        prompt = is_prompt.nonzero().squeeze(1)
-        decode = (~is_prompt).nonzero().squeeze(1)
-        return cls(prompt if prompt.numel() else None, decode if decode.numel() else None, ~is_prompt, decode.numel())
-
-
-@functools.lru_cache(maxsize=64)
-def all_rows(n: int) -> torch.Tensor:
-    """A refine mask selecting every row (lm_head rows; calls without a RowSplit)."""
-    return torch.ones(n, dtype=torch.bool)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ but it reads two rows for 3-10% more than one (fbgemm: 15-20% more) and stayed a
 streamed (494 MB): a plain AVX-512 read of as many bytes ran at 13.3 GB/s, the 97 GEMVs at 11.2-11.6
 GB/s, one thread or two alike. The kernel is within ~15% of the machine's bandwidth; fewer bytes is
 what remains, hence csrc/lm_head.cpp: greedy rows screen the lm_head with a 4-bit copy and compute
-only the candidates exactly (model.py says what it saves). What else a step spent, profiled at 300
+only the candidates exactly (int8.py says what it saves). What else a step spent, profiled at 300
 tokens of context (43 ms): 29 ms GEMVs, 6 ms head, 2.4 ms attention, and 4.5 ms in Python and ~40
 small PyTorch ops per layer (silu, chunk, adds). csrc/decode_stack.cpp runs all layers of a step
 whose sequences attend natively in one call (the same kernels in the same order, bit-identical to
@@ -30,7 +30,7 @@ order, built with -ffp-contract=off), so prefill rows through `quantize` + `torc
 
 Built with torch.utils.cpp_extension (g++ and ninja) into ~/.cache/assistant/native, once per source
 version: about a minute on 2 vCPUs. Without AVX-512 VNNI, a compiler, or with ASSISTANT_NATIVE=0, the
-engine uses the PyTorch-op path instead (model.py) and says why once.
+engine uses the PyTorch-op path instead (int8.py, model.py) and says why once.
 """
 
 from __future__ import annotations

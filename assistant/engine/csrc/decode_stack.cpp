@@ -11,7 +11,7 @@
 
 namespace {
 
-struct Int8Linear {  // model.py Linear with the native kernel: VNNI layout, correction, scales, int8 rows, bias
+struct Int8Linear {  // int8.py Linear with the native kernel: VNNI layout, correction, scales, int8 rows, bias
   torch::Tensor packed, comp, ws, weight;
   c10::optional<torch::Tensor> bias;
 

@@ -1,5 +1,5 @@
 // The lm_head of greedy rows, screened: the next token of a greedy step without streaming the whole
-// int8 head (see assistant/engine/native.py and model.py `Linear.greedy_logits` for the measurements).
+// int8 head (see assistant/engine/native.py and int8.py `Linear.greedy_logits` for the measurements).
 //
 // Design note. The head (vocab x dim, 136 MB of int8 for Qwen2.5-0.5B) is a quarter of the bytes a decode
 // step reads, and a greedy step needs only its argmax. Each int8 weight splits exactly into nibbles:
