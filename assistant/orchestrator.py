@@ -66,20 +66,17 @@ class Orchestrator:
     def run_turn(self, conversation_id: str | None, user_input: UserInput | str, *,
                  params: SamplingParams | None = None, cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
         turn_input = UserInput.of(user_input)
-        text = turn_input.text.strip()
         meta: dict[str, Any] = {}
-        if turn_input.audio is not None:
-            heard = self.prestage.transcribe(turn_input.audio).strip()
-            yield Transcribed(heard)
-            text = f"{text}\n{heard}".strip() if text else heard
-            meta["audio"] = {"name": turn_input.audio.name}
-        descriptions = []
-        for i, image in enumerate(turn_input.images, start=1):
-            description = self.prestage.describe(image)
-            yield ImageDescribed(i, description)
-            descriptions.append(f"image {i} ({image.name}): {description}")
-        if descriptions:
-            meta["images"] = descriptions
+        try:
+            text = yield from self._prestage(turn_input, meta)
+        except AssistantError as e:  # nothing was stored yet: say why, end the turn
+            yield Error(str(e))
+            yield Done(conversation_id or "", "", "", "error")
+            return
+        if not text and not meta.get("images"):
+            yield Error("The message is empty: type a question, or record one that has speech in it.")
+            yield Done(conversation_id or "", "", "", "error")
+            return
         cid = self.store.get_or_create(conversation_id, title=text[:60]).id
         if turn_input.files and self.ingest_files is not None:
             yield from self.ingest_files(cid, turn_input.files)
@@ -120,6 +117,23 @@ class Orchestrator:
         yield from self._answer(conversation_id, user, history, params or self.default_params(), cancel)
 
     # -- one turn -------------------------------------------------------------------------------
+    def _prestage(self, turn_input: UserInput, meta: dict[str, Any]) -> Iterator[TurnEvent]:
+        """Speech -> the question's text, images -> descriptions kept in `meta` (returns the text)."""
+        text = turn_input.text.strip()
+        if turn_input.audio is not None:
+            heard = self.prestage.transcribe(turn_input.audio).strip()
+            yield Transcribed(heard)
+            text = f"{text}\n{heard}".strip() if text else heard
+            meta["audio"] = {"name": turn_input.audio.name}
+        descriptions = []
+        for i, image in enumerate(turn_input.images, start=1):
+            description = self.prestage.describe(image)
+            yield ImageDescribed(i, description)
+            descriptions.append(f"image {i} ({image.name}): {description}")
+        if descriptions:
+            meta["images"] = descriptions
+        return text
+
     def _refuse(self, cid: str, text: str, meta: dict[str, Any], verdict: Any) -> Iterator[TurnEvent]:
         reason = verdict.reason or (f"This message was blocked by the safety policy ({verdict.category or 'unsafe'}). "
                                     "Rephrase it, or ask the administrator about the policy.")
