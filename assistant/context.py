@@ -186,16 +186,3 @@ def _breakdown(parts: PromptParts, memory: str, turns: list[list[Message]], cont
     out["free"] = max(0, budget - total)
     return out
 
-
-def fit_history(
-    system: Message,
-    history: Sequence[Message],
-    user: Message,
-    *,
-    count_tokens: CountTokens,
-    context_window: int,
-    reserve: int,
-) -> ContextPlan:
-    """History only, oldest whole turns dropped (the plain chat path; kept for callers of the spine)."""
-    return fit_prompt(PromptParts(system, user, history), count_tokens=count_tokens,
-                      context_window=context_window, reserve=reserve)

@@ -16,6 +16,15 @@ REQUIRE_REAL = os.environ.get("ASSISTANT_REQUIRE_REAL") == "1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def need(condition: bool, what: str, fix: str) -> None:
     """Skip (laptop) or fail (CI) when a real dependency is missing."""
     if condition:

@@ -14,6 +14,7 @@ import pytest
 
 from assistant.config import AssistantConfig
 from assistant.events import Done
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.real
 
@@ -51,11 +52,6 @@ def test_chat_in_a_pipe(models_dir, tmp_path):
     assert "conversation" in result.stderr and "conversation" not in result.stdout  # status on stderr only
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _start_server(models_dir: Path, data_dir: Path, port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
@@ -87,7 +83,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def test_web_chat_with_gradio_client(models_dir, tmp_path):
     from gradio_client import Client
 
-    port = _free_port()
+    port = free_port()
     proc = _start_server(models_dir, tmp_path, port)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)

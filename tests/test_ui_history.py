@@ -1,16 +1,11 @@
 """The web chat's history endpoints with a scripted engine, driven by a real gradio_client."""
 
-import socket
 
 import pytest
 
 from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
+from tests.conftest import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -25,7 +20,7 @@ def served(tmp_path):
     orch = assistant.orchestrator
     app = build_app(assistant)
     app.queue()
-    port = _free_port()
+    port = free_port()
     app.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, ssr_mode=False)
     try:
         yield orch, engine, Client(f"http://127.0.0.1:{port}/", verbose=False)
