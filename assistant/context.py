@@ -77,9 +77,12 @@ def memory_message(memory: str) -> Message:
 
 
 def context_message(passages: Sequence[str]) -> Message:
+    # No example answer here: the 0.5B model copied "The device weighs 2 kg [2]." into 5 of 30 answers
+    # when it was unsure. The instruction names the marker form without a sentence to copy.
     return {"role": "system", "content": (
-        "Passages from the user's documents:\n" + "\n".join(passages) + "\n\nUse these passages to answer. "
-        "Cite the passage you use, for example: The device weighs 2 kg [2].")}  # wording tried on the 0.5B model
+        "Passages from the user's documents:\n" + "\n".join(passages) + "\n\nAnswer from these passages. "
+        "After the fact you use, write the number of its passage in square brackets. If the passages do "
+        "not contain the answer, say that the documents do not say.")}
 
 
 def layout(parts: PromptParts) -> list[Message]:
