@@ -9,6 +9,19 @@ thread owns the model, the scheduler and the KV cache and runs steps in a loop:
 Cancelling (the caller's event, or closing the iterator when a client goes away) is noticed at the
 start of the next step, and the request's KV blocks are released in that same step.
 
+Failure isolation (one step serves many requests, so one request's problem must not become every
+request's problem; see `_loop`):
+  * `submit` checks what the engine thread relies on (token ids in the vocabulary, finite sampling
+    values, string stop sequences, an integer seed) in the caller's thread: a bad request is refused
+    before it is queued, with a ValueError its caller sees.
+  * Inside a step, everything done for one request (building its slice of the batch, sampling its
+    row, detokenising, matching its stop strings, accounting its KV) runs under its own guard: an
+    error finishes that request alone, its consumer gets an EngineError, the rest of the step goes on.
+  * Only the batched forward (and the batched argmax over its logits) is shared: if it fails, the
+    requests in that step fail (the cause is ours or the hardware's, not one request's), and so does
+    anything unexpected outside a request's guard. Either way the engine thread lives on and keeps
+    serving later requests; it only ends on `close()`.
+
 What was measured before writing this (MACHINE.md, same machine): transformers' continuous-batching
 manager (`generate_batch`, paged|sdpa attention) reached 2.0x sequential `generate()` for 8 prompts,
 short of the 4x target, and its per-token overhead dominates small models; hence the hand-written
@@ -17,6 +30,9 @@ scheduler/KV cache here, with HF `generate()` kept as the baseline in bench/engi
 
 from __future__ import annotations
 
+import logging
+import math
+import numbers
 import queue
 import threading
 import time
@@ -40,6 +56,8 @@ from assistant.engine.model import SeqBatch, Transformer
 from assistant.engine.sampling import sample
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from assistant.errors import EngineBusy, EngineError
+
+log = logging.getLogger(__name__)
 
 # A step carrying a prefill chunk may take this many times a pure decode step. The promise is 2.5x at
 # p95 (the bench's ITL figure); inter-token gaps also carry the step's sampling and streaming, and a
@@ -118,6 +136,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         return self._stream(request)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event | None = None) -> Request:
+        self._check_request(prompt_ids, params)
+        prompt_ids = [int(t) for t in prompt_ids]
         generator = None
         if params.seed is not None and params.temperature > 0:
             generator = self._torch.Generator(device=self.device).manual_seed(params.seed)
@@ -132,6 +152,28 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                                  "retry in a moment, or raise engine.max_waiting.")
             self._cond.notify()
         return request
+
+    def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Refuse, in the caller's thread, what would otherwise raise inside the engine thread."""
+        params.verify()
+        vocab = self.model.args.vocab_size
+        if not prompt_ids:
+            raise ValueError("The prompt is empty.")
+        bad = next((t for t in prompt_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)
+                    or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad!r} is not in the model's vocabulary (integers 0..{vocab - 1}).")
+        for name in ("temperature", "top_p"):
+            value = getattr(params, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number.")
+        for name in ("top_k", "max_tokens"):
+            if isinstance(getattr(params, name), bool) or not isinstance(getattr(params, name), numbers.Integral):
+                raise ValueError(f"{name}={getattr(params, name)!r} must be an integer.")
+        if isinstance(params.stop, str) or not all(isinstance(s, str) and s for s in params.stop):
+            raise ValueError(f"stop={params.stop!r} must be a sequence of non-empty strings.")
+        if params.seed is not None and (isinstance(params.seed, bool) or not isinstance(params.seed, numbers.Integral)):
+            raise ValueError(f"seed={params.seed!r} must be an integer.")
 
     def _stream(self, request: Request) -> Iterator[TokenDelta]:
         finished = False
@@ -159,32 +201,61 @@ class LocalEngine(ChatTemplateEncoding, Engine):
 
     # -- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        """The engine thread. Error handling, from narrow to wide (design note in the module docstring):
+        per-request work in `_inputs` / `_process` fails only its request; a failing batched forward
+        fails the step's requests; anything else unexpected fails what the step held (or, if the
+        scheduler itself failed, what it holds) and the loop goes on. Only `close()` ends it."""
         while True:
-            with self._cond:
-                while not self._closed and not self.scheduler.has_work:
-                    self._cond.wait()
-                if self._closed:
-                    for r in [*self.scheduler.running, *self.scheduler.waiting]:
-                        self._fail(r, EngineError("The engine was shut down."))
-                    return
-                self._reap_cancelled()
-                out = self.scheduler.schedule()
-            for r in out.refused:
-                r.state.out.put(EngineError(
-                    f"This request needs {r.num_tokens} tokens of KV memory but the cache holds "
-                    f"{self.blocks.num_blocks * self.blocks.block_size}: raise engine.kv_cache_mb."))
-            if not out.scheduled:
-                continue
+            scheduled: list[tuple[Request, int]] = []
             try:
-                start = time.perf_counter()
-                logits = self._forward(out.scheduled)
-                self._tune_prefill_chunk(out.scheduled, time.perf_counter() - start)
-                self._process(out.scheduled, logits)
-            except Exception as e:  # a bug or the hardware: fail these requests, keep serving others
-                error = EngineError(f"Generation failed: {e}")
-                error.__cause__ = e
-                for r, _ in out.scheduled:
-                    self._fail(r, error)
+                with self._cond:
+                    while not self._closed and not self.scheduler.has_work:
+                        self._cond.wait()
+                    if self._closed:
+                        for r in [*self.scheduler.running, *self.scheduler.waiting]:
+                            self._fail(r, EngineError("The engine was shut down."))
+                        return
+                    self._reap_cancelled()
+                    out = self.scheduler.schedule()
+                scheduled = out.scheduled
+                for r in out.refused:
+                    r.state.out.put(EngineError(
+                        f"This request needs {r.num_tokens} tokens of KV memory but the cache holds "
+                        f"{self.blocks.num_blocks * self.blocks.block_size}: raise engine.kv_cache_mb."))
+                if scheduled:
+                    self._step(scheduled)
+            except Exception as e:  # a bug outside any one request's guard: fail what it touched, go on
+                log.exception("engine step failed")
+                with self._cond:
+                    victims = [r for r, _ in scheduled] or [*self.scheduler.running, *self.scheduler.waiting]
+                for r in victims:
+                    try:
+                        self._fail(r, self._error("The engine step failed", e))
+                    except Exception:  # the scheduler is broken too: still tell the consumer
+                        log.exception("could not release a failed request")
+                        r.state.out.put(self._error("The engine step failed", e))
+
+    def _step(self, scheduled: list[tuple[Request, int]]) -> None:
+        batch = self._inputs(scheduled)
+        if batch is None:
+            return
+        scheduled, tokens, positions, seqs = batch
+        try:  # shared by every request in the step: a failure here is ours (or the hardware's)
+            start = time.perf_counter()
+            logits = self._forward(scheduled, tokens, positions, seqs)
+            self._tune_prefill_chunk(scheduled, time.perf_counter() - start)
+        except Exception as e:
+            log.exception("batched forward failed")
+            for r, _ in scheduled:
+                self._fail(r, self._error("Generation failed", e))
+            return
+        self._process(scheduled, logits)
+
+    @staticmethod
+    def _error(what: str, cause: Exception) -> EngineError:
+        error = EngineError(f"{what}: {type(cause).__name__}: {cause}")
+        error.__cause__ = cause
+        return error
 
     def _tune_prefill_chunk(self, scheduled: list[tuple[Request, int]], seconds: float) -> None:
         """Keep steps that carry prefill within ITL_TARGET x a decode step (measured, not guessed:
@@ -213,33 +284,64 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                 self.scheduler.finish(request, RequestStatus.FINISHED_CANCELLED)
         request.state.out.put(error)
 
-    def _forward(self, scheduled: list[tuple[Request, int]]) -> Any:
-        torch = self._torch
+    def _inputs(self, scheduled: list[tuple[Request, int]]) -> tuple[Any, ...] | None:
+        """Each request's slice of the ragged batch, built under its own guard: a request whose inputs
+        cannot be built (say a token id outside the vocabulary slipped past `submit`) is failed and
+        left out of the step. None when nothing is left to run."""
+        vocab = self.model.args.vocab_size
+        kept: list[tuple[Request, int]] = []
         tokens: list[int] = []
         positions: list[int] = []
         seqs: list[SeqBatch] = []
         for r, n in scheduled:
-            start, ids = r.num_computed_tokens, r.all_ids
-            seqs.append(SeqBatch(len(tokens), n, start + n, self.kv.slots(r.block_table, start + n), len(r.prompt_ids)))
-            tokens.extend(ids[start:start + n])
+            try:
+                start = r.num_computed_tokens
+                new = r.all_ids[start:start + n]
+                if len(new) != n or not all(isinstance(t, int) and 0 <= t < vocab for t in new):
+                    raise ValueError(f"invalid token ids for positions {start}..{start + n - 1}")
+                seq = SeqBatch(len(tokens), n, start + n, self.kv.slots(r.block_table, start + n), len(r.prompt_ids))
+            except Exception as e:
+                log.exception("request %s failed while building its step inputs", r.request_id)
+                self._fail(r, self._error("This request failed", e))
+                continue
+            kept.append((r, n))
+            seqs.append(seq)
+            tokens.extend(new)
             positions.extend(range(start, start + n))
+        return (kept, tokens, positions, seqs) if kept else None
+
+    def _forward(self, scheduled: list[tuple[Request, int]], tokens: list[int], positions: list[int],
+                 seqs: list[SeqBatch]) -> Any:
+        torch = self._torch
         with torch.inference_mode():
             return self.model.forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), seqs, self.kv,
                                       greedy=[r.params.temperature == 0 for r, _ in scheduled])
 
     def _process(self, scheduled: list[tuple[Request, int]], logits: Any) -> None:
+        """Sample, detokenise and stream per request, each under its own guard (see `_loop`)."""
+        ready = []
         with self._cond:
-            ready = [(i, r) for i, (r, n) in enumerate(scheduled) if self.scheduler.after_step(r, n)]
+            for i, (r, n) in enumerate(scheduled):
+                try:
+                    if self.scheduler.after_step(r, n):
+                        ready.append((i, r))
+                except Exception as e:
+                    log.exception("request %s failed after its step", r.request_id)
+                    self._fail(r, self._error("This request failed", e))
         if not ready:
             return
-        greedy = logits[[i for i, _ in ready]].argmax(-1).tolist()
+        greedy = logits[[i for i, _ in ready]].argmax(-1).tolist()  # batched: a failure fails the step
         for (i, r), greedy_token in zip(ready, greedy):
-            if r.params.temperature == 0:
-                token = greedy_token
-            else:
-                token = int(sample(logits[i:i + 1], r.params, r.state.generator).item())
-            self._append(r, token)
+            try:
+                if r.params.temperature == 0:
+                    token = greedy_token
+                else:
+                    token = int(sample(logits[i:i + 1], r.params, r.state.generator).item())
+                self._append(r, token)
+            except Exception as e:  # this request's sampling / detokenising / stop strings
+                log.exception("request %s failed while producing its token", r.request_id)
+                self._fail(r, self._error("This request failed", e))
 
     def _append(self, r: Request, token: int) -> None:
         r.output_ids.append(token)

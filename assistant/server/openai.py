@@ -4,36 +4,49 @@ Stateless like OpenAI's: the client sends the whole conversation. Streaming and 
 one code path (non-streaming drains the same delta iterator). If `server.api_keys` is set, every
 request needs `Authorization: Bearer <key>`. A client that disconnects mid-stream cancels its request
 in the engine (the streaming generator is closed, which frees its KV slot within one step).
+
+Robustness rules (the web chat shares this event loop, and one engine step serves many requests):
+  * Requests are validated completely at the boundary (server/schemas.py): a client mistake is an
+    HTTP 400 in OpenAI's error shape, never a 500 and never something the engine thread sees.
+  * Nothing that can block runs on the event loop: `engine.generate` (chat template, tokenising,
+    submitting) and the non-streaming drain run in the threadpool; streams are iterated there too.
+  * Chat-template errors (jinja raising for a message order the model does not support) surface from
+    `engine.generate` before the request reaches the engine thread and become a 400 as well.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any, Iterator
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
-from assistant.engine.base import Engine, SamplingParams, TokenDelta
+from assistant.engine.base import Engine, TokenDelta
 from assistant.errors import AssistantError, EngineBusy
+from assistant.server.schemas import MAX_TOKENS_DEFAULT, RequestError, parse_chat_request  # noqa: F401
 
-MAX_TOKENS_DEFAULT = 512
+log = logging.getLogger(__name__)
+
+try:  # transformers renders chat templates with jinja2; engines without it never raise this
+    from jinja2 import TemplateError
+except ImportError:  # pragma: no cover
+    class TemplateError(Exception):  # type: ignore[no-redef]
+        pass
 
 
-def _params(body: dict[str, Any]) -> SamplingParams:
-    stop = body.get("stop") or ()
-    params = SamplingParams(
-        temperature=float(body.get("temperature", 0.0) or 0.0),
-        top_p=float(body.get("top_p", 1.0) or 1.0),
-        top_k=int(body.get("top_k", 0) or 0),
-        max_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or MAX_TOKENS_DEFAULT),
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        seed=body.get("seed"),
-    )
-    params.verify()
-    return params
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status)
 
 
 def _chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None) -> str:
@@ -49,43 +62,59 @@ def _finish(reason: str | None) -> str | None:
 def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = ()) -> APIRouter:
     router = APIRouter(prefix="/v1")
 
-    def check_key(request: Request) -> None:
+    def denied(request: Request) -> JSONResponse | None:
         if not api_keys:
-            return
+            return None
         header = request.headers.get("authorization", "")
-        if not header.startswith("Bearer ") or header[7:] not in api_keys:
-            raise HTTPException(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
+        if header.startswith("Bearer ") and header[7:] in api_keys:
+            return None
+        return _error(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
 
-    @router.get("/models", dependencies=[Depends(check_key)])
-    def models() -> dict[str, Any]:
+    @router.get("/models")
+    def models(request: Request) -> Any:
+        if (refusal := denied(request)) is not None:
+            return refusal
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "local"}]}
 
-    @router.post("/chat/completions", dependencies=[Depends(check_key)])
+    @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        if (refusal := denied(request)) is not None:
+            return refusal
         try:
-            body = await request.json()
-            messages = body["messages"]
-            if not isinstance(messages, list) or not messages:
-                raise ValueError("messages must be a non-empty list")
-            params = _params(body)
-        except (ValueError, KeyError, TypeError) as e:
-            return JSONResponse({"error": {"message": f"Bad request: {e}", "type": "invalid_request_error"}}, 400)
-        try:
-            deltas = engine.generate(messages, params, tools=body.get("tools"))
+            req = parse_chat_request(await request.body())
+            params = req.sampling_params()
+        except RequestError as e:
+            return _error(400, e.message, param=e.param)
+        except ValueError as e:  # SamplingParams.verify: unreachable after the schema, kept as a guard
+            return _error(400, str(e))
+        try:  # the chat template and tokenising run here: off the event loop
+            deltas = await run_in_threadpool(engine.generate, req.engine_messages(), params, tools=req.engine_tools())
         except EngineBusy as e:
-            return JSONResponse({"error": {"message": str(e), "type": "overloaded"}}, 503)
-        except AssistantError as e:
-            return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error"}}, 400)
+            return _error(503, str(e), "overloaded")
+        except TemplateError as e:
+            return _error(400, f"The model's chat template cannot render these messages: {e}", param="messages")
+        except (AssistantError, ValueError) as e:  # prompt too long, empty, ...: the request's fault
+            return _error(400, str(e))
+        except Exception as e:  # ours: say so in the API's shape, keep the details in the log
+            log.exception("engine.generate failed")
+            return _error(500, f"The server failed to start generating: {type(e).__name__}: {e}", "server_error")
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(deltas, cid, model_name, include_usage), media_type="text/event-stream")
-        text, last = [], TokenDelta("")
-        for last in deltas:
-            text.append(last.text)
+        if req.stream:
+            return StreamingResponse(_sse(deltas, cid, model_name, req.include_usage), media_type="text/event-stream")
+        try:  # the drain waits for every token: in the threadpool, never on the event loop
+            text, last = await run_in_threadpool(_drain, deltas)
+        except EngineBusy as e:
+            return _error(503, str(e), "overloaded")
+        except ValueError as e:  # an engine that validates lazily (on first iteration)
+            return _error(400, str(e))
+        except AssistantError as e:
+            return _error(500, str(e), "server_error")
+        except Exception as e:
+            log.exception("generation failed")
+            return _error(500, f"Generation failed: {type(e).__name__}: {e}", "server_error")
         return {
             "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": _finish(last.finish_reason)}],
             "usage": _usage(last),
         }
@@ -93,7 +122,19 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
     return router
 
 
-def _usage(last: TokenDelta) -> dict[str, int]:
+def _drain(deltas: Iterator[TokenDelta]) -> tuple[str, TokenDelta]:
+    text, last = [], TokenDelta("")
+    try:
+        for last in deltas:
+            text.append(last.text)
+    finally:
+        close = getattr(deltas, "close", None)
+        if close:
+            close()
+    return "".join(text), last
+
+
+def _usage(last: TokenDelta) -> dict[str, Any]:
     return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_generated_tokens,
             "total_tokens": last.num_prompt_tokens + last.num_generated_tokens,
             "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens}}
@@ -101,15 +142,21 @@ def _usage(last: TokenDelta) -> dict[str, int]:
 
 def _sse(deltas: Iterator[TokenDelta], cid: str, model: str, include_usage: bool) -> Iterator[str]:
     """Runs in Starlette's threadpool; when the client goes away the generator is closed, which
-    closes `deltas` and cancels the request in the engine."""
+    closes `deltas` and cancels the request in the engine. A failure after the 200 was sent can only
+    be reported in-band: one `data: {"error": ...}` event (OpenAI's shape), then [DONE]."""
     yield _chunk(cid, model, {"role": "assistant", "content": ""}, None)
     last = TokenDelta("")
     try:
         for last in deltas:
             if last.text or last.finish_reason:
                 yield _chunk(cid, model, {"content": last.text} if last.text else {}, _finish(last.finish_reason))
-    except AssistantError as e:
-        yield f"data: {json.dumps({'error': {'message': str(e)}})}\n\n"
+    except (AssistantError, ValueError) as e:
+        kind = ("overloaded" if isinstance(e, EngineBusy) else
+                "invalid_request_error" if isinstance(e, ValueError) else "server_error")
+        yield f"data: {json.dumps(error_body(str(e), kind))}\n\n"
+    except Exception as e:
+        log.exception("generation failed mid-stream")
+        yield f"data: {json.dumps(error_body(f'Generation failed: {type(e).__name__}: {e}', 'server_error'))}\n\n"
     finally:
         close = getattr(deltas, "close", None)
         if close:

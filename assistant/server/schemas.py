@@ -1,0 +1,185 @@
+"""Request models of the /v1 API: every client mistake is caught here, before any engine work.
+
+The models are strict (no "0.7" for a number, no "5" for a seed, no 1 for a stop string), floats must
+be finite (Python's json accepts NaN and Infinity), and unknown fields are ignored like OpenAI's
+optional extras. `parse_chat_request(raw_bytes)` returns a `ChatCompletionRequest` or raises
+`RequestError` with the OpenAI error fields (message, param) for an HTTP 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from assistant.engine.base import SamplingParams
+
+MAX_TOKENS_DEFAULT = 512
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+
+
+class RequestError(ValueError):
+    """A request the API refuses with HTTP 400 (OpenAI's invalid_request_error)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(min_length=1)
+    arguments: Union[str, dict[str, Any]] = "{}"  # OpenAI sends a JSON string; the agent passes a dict
+
+
+class ToolCall(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Optional[str] = None  # a list of text parts is joined into one string (see below)
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of content parts")
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"content part {i} has type {kind!r}: only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} needs a string 'text'")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant message with "
+                             "tool_calls may omit it)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        return self
+
+    def for_engine(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content always a string."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionSpec(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = None
+
+
+class ChatCompletionRequest(_Strict):
+    messages: list[Message] = Field(min_length=1)
+    model: Optional[str] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: Optional[int] = Field(None, ge=0)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    stop: Optional[list[str]] = None  # a single string is accepted and wrapped (see below)
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # torch.Generator.manual_seed's range
+    n: Optional[int] = Field(None, ge=1, le=1)  # one choice per request
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    tools: Optional[list[Tool]] = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [value]
+        if (not isinstance(value, list) or len(value) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in value)):
+            raise ValueError(f"must be a non-empty string or a list of up to {MAX_STOP_STRINGS} non-empty strings")
+        return value
+
+    def sampling_params(self) -> SamplingParams:
+        params = SamplingParams(
+            temperature=self.temperature if self.temperature is not None else 0.0,
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            top_k=self.top_k or 0,
+            max_tokens=self.max_tokens or self.max_completion_tokens or MAX_TOKENS_DEFAULT,
+            stop=tuple(self.stop or ()),
+            seed=self.seed,
+        )
+        params.verify()  # cannot fail after the checks above; kept as the engines' own contract
+        return params
+
+    def engine_messages(self) -> list[dict[str, Any]]:
+        return [m.for_engine() for m in self.messages]
+
+    def engine_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
+    """Decode and validate a /v1/chat/completions body, or raise RequestError."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise RequestError(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        param = _param(tuple(error["loc"]))
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise RequestError(f"{param}: {message}" if param else message, param) from None
