@@ -53,6 +53,14 @@ class Conversations:
     def siblings(self, message_id: str) -> list[StoredMessage]:
         return self._store.siblings(message_id)
 
+    def start(self, messages: Sequence[Message] = (), *, title: str = "") -> str:
+        """A new conversation holding `messages` (user/assistant turns sent by a stateless client)."""
+        conversation = self._store.create_conversation(title)
+        for m in messages:
+            if m.get("role") in ("user", "assistant") and m.get("content"):
+                self._store.add_message(conversation.id, m["role"], str(m["content"]))
+        return conversation.id
+
     def rename(self, conversation_id: str, title: str) -> None:
         self._store.rename_conversation(conversation_id, title)
 

@@ -28,7 +28,7 @@ def create_app(assistant: Any, *, web_chat: bool = True) -> Any:
     config = assistant.config
     app = FastAPI(title=TITLE)
     app.include_router(create_api(assistant.models.engine(), model_name=assistant.models.default,
-                                  api_keys=config.api_keys))
+                                  api_keys=config.api_keys, assistant=assistant))
     app.include_router(create_turn_routes(assistant, config.api_keys))
     if not web_chat:
         return app

@@ -12,15 +12,21 @@ from typing import Callable
 from fastapi import HTTPException, Request
 
 
+def key_ok(request: Request, api_keys: tuple[str, ...]) -> bool:
+    """Whether the request may pass: no keys configured, or `Authorization: Bearer <one of them>`
+    (compared in constant time)."""
+    if not api_keys:
+        return True
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header.startswith("Bearer ") else ""
+    return any(hmac.compare_digest(given.encode(), key.encode()) for key in api_keys)
+
+
 def key_checker(api_keys: tuple[str, ...]) -> Callable[[Request], None]:
-    """A FastAPI dependency that accepts `Authorization: Bearer <key>` for one of `api_keys`."""
+    """A FastAPI dependency that refuses requests without one of `api_keys` with a 401."""
 
     def check(request: Request) -> None:
-        if not api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.startswith("Bearer ") else ""
-        if not any(hmac.compare_digest(given.encode(), key.encode()) for key in api_keys):
+        if not key_ok(request, api_keys):
             raise HTTPException(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
 
     return check

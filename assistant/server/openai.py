@@ -16,6 +16,7 @@ Robustness rules (the web chat shares this event loop, and one engine step serve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -28,9 +29,11 @@ from starlette.concurrency import run_in_threadpool
 
 from assistant.engine.base import Engine, TokenDelta
 from assistant.errors import AssistantError, EngineBusy
+from assistant.server.auth import key_ok
 from assistant.server.schemas import MAX_TOKENS_DEFAULT, RequestError, parse_chat_request  # noqa: F401
 
 log = logging.getLogger(__name__)
+ASSISTANT_MODEL = "assistant"  # the model id that runs the full assistant turn
 
 try:  # transformers renders chat templates with jinja2; engines without it never raise this
     from jinja2 import TemplateError
@@ -59,14 +62,13 @@ def _finish(reason: str | None) -> str | None:
     return {"cancelled": "stop"}.get(reason or "", reason)
 
 
-def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = ()) -> APIRouter:
+def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (), assistant: Any = None) -> APIRouter:
+    """/v1 over `engine` (the raw model `model_name`); with `assistant`, the model id `assistant`
+    runs the full turn (retrieval, tools, citations, the store) over the sent messages."""
     router = APIRouter(prefix="/v1")
 
     def denied(request: Request) -> JSONResponse | None:
-        if not api_keys:
-            return None
-        header = request.headers.get("authorization", "")
-        if header.startswith("Bearer ") and header[7:] in api_keys:
+        if key_ok(request, api_keys):
             return None
         return _error(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
 
@@ -74,7 +76,8 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
     def models(request: Request) -> Any:
         if (refusal := denied(request)) is not None:
             return refusal
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "local"}]}
+        ids = [model_name] + ([ASSISTANT_MODEL] if assistant is not None else [])
+        return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "local"} for i in ids]}
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -87,6 +90,8 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
             return _error(400, e.message, param=e.param)
         except ValueError as e:  # SamplingParams.verify: unreachable after the schema, kept as a guard
             return _error(400, str(e))
+        if assistant is not None and req.model == ASSISTANT_MODEL:
+            return await run_in_threadpool(assistant_completion, assistant, req.engine_messages(), params, req.stream)
         try:  # the chat template and tokenising run here: off the event loop
             deltas = await run_in_threadpool(engine.generate, req.engine_messages(), params, tools=req.engine_tools())
         except EngineBusy as e:
@@ -120,6 +125,48 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
         }
 
     return router
+
+
+def assistant_completion(assistant: Any, messages: list[dict], params: Any, stream: bool) -> Any:
+    """A stateless assistant turn: the sent messages before the last user message become a new stored
+    conversation's history, the last one is the turn. The answer comes in OpenAI's shape with two
+    extra fields OpenAI clients ignore: `sources` (verified citations) and `conversation_id`."""
+    from assistant.events import Done, Error, Sources, TextDelta
+
+    *history, last = messages
+    if last.get("role") != "user" or not str(last.get("content") or "").strip():
+        return _error(400, "The model `assistant` answers a conversation that ends with a user message.",
+                      param="messages")
+    conversation_id = assistant.conversations.start(history, title=str(last["content"])[:60])
+    events = assistant.turn(conversation_id, str(last["content"]), params=params)
+    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    if stream:
+        def chunks() -> Iterator[str]:
+            yield _chunk(cid, ASSISTANT_MODEL, {"role": "assistant", "content": ""}, None)
+            for event in events:
+                if isinstance(event, TextDelta):
+                    yield _chunk(cid, ASSISTANT_MODEL, {"content": event.text}, None)
+                elif isinstance(event, Error):
+                    yield f"data: {json.dumps(error_body(event.message, 'server_error'))}\n\n"
+                elif not isinstance(event, Done):  # sources, tool steps, ...: extra events clients ignore
+                    yield f"event: assistant.{event.type}\ndata: {json.dumps(event.to_dict(), default=str)}\n\n"
+                else:
+                    yield _chunk(cid, ASSISTANT_MODEL, {}, _finish(event.finish_reason))
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+    sources: list[dict] = []
+    done = None
+    for event in events:
+        if isinstance(event, Sources):
+            sources = [dataclasses.asdict(s) for s in event.sources]
+        elif isinstance(event, Done):
+            done = event
+    if done is None or done.finish_reason == "error":
+        return _error(500, "The assistant turn failed; see the server log.", "server_error")
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": ASSISTANT_MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
+                         "finish_reason": _finish(done.finish_reason)}],
+            "sources": sources, "conversation_id": done.conversation_id}
 
 
 def _drain(deltas: Iterator[TokenDelta]) -> tuple[str, TokenDelta]:
