@@ -1,17 +1,23 @@
-"""Citations: numbering what was retrieved in a turn, and checking what the answer cites.
+"""Citations: numbering what was retrieved in a turn, and assigning the answer's citations from evidence.
 
-Design note — a citation is only as good as the retrieval behind it:
-  * Every passage the model is shown in a turn (auto-retrieved context, `search_documents` hits,
+Design note — a citation is only as good as the evidence behind it:
+  * Every passage the model is shown in a turn (prefetched context, `search_documents` hits,
     `read_document` pages) is registered in the turn's `SourceLedger` and gets a marker `[n]`,
     numbered from 1 in the order first seen; the same chunk seen twice keeps its first number.
-  * When the answer is final, `verify_citations` looks at every `[n]` (also `[1, 2]` and `[1][2]`):
-    a marker that names a passage of *this turn* becomes a `Source`; any other number (a marker the
-    model made up, or one from an earlier turn) is removed from the answer and reported in
-    `Sources.dropped_markers`.
-  * A small model often states the fact without any marker. When an answer cites nothing but clearly
-    reuses a passage (enough shared content words, see MIN_SHARED_WORDS), that passage is attributed
-    and its marker appended to the sentence that reuses it; such sources carry `inferred=True` in the
-    stored meta. Answers that share nothing with the passages get no sources at all.
+  * When the answer is final, `verify_citations` checks every claim against the passages instead of
+    trusting the model's numbers. A claim is the text a marker run (`[1]`, `[1, 2]`, `[1][2]`) closes:
+    from the previous run or sentence end up to the run (the whole sentence when that is shorter
+    than MIN_CLAIM_WORDS content words, as in "…, see [2]"). A passage *supports* a claim when they share at least
+    min(MIN_SHARED_WORDS, the claim's content words) content words. Then, per marker:
+      - a number that names no passage of *this turn* (made up, or from an earlier turn) is removed
+        and reported in `dropped_markers`;
+      - a passage that supports the claim, nearly as well as the best one does, keeps its marker;
+      - otherwise the marker moves to the passage that supports the claim best (`reassigned`);
+      - and when no passage supports the claim, its marker is removed: no evidence, no citation.
+  * A sentence without any marker that clearly reuses a passage (MIN_SHARED_WORDS content words)
+    gets that passage's marker appended; such sources carry `inferred=True` in the stored meta.
+  * The snippet shown with a source is the passage's sentence that best matches the claim it
+    supports, so the user can check the citation at a glance.
 """
 
 from __future__ import annotations
@@ -26,7 +32,13 @@ MARKER = re.compile(r"\[(\d{1,3}(?:\s*,\s*\d{1,3})*)\]")
 MARKER_RUN = re.compile(r"(?<![\w)\]])(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\])+")  # not `a[1]`: that is code
 CODE = re.compile(r"```.*?(?:```|$)|`[^`\n]*`", re.S)  # fenced and inline code is never touched
 WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'.-]*[A-Za-z0-9]|[A-Za-z0-9]")
-MIN_SHARED_WORDS = 3  # content words an uncited sentence must share with a passage to be attributed to it
+MIN_SHARED_WORDS = 3  # content words a claim must share with a passage to be supported by it (fewer for short claims)
+MIN_CLAIM_WORDS = 1  # a marker's claim with fewer content words ("…, see [2]") is widened to its sentence
+KEEP_RATIO = 0.5  # the model's passage keeps the marker if it shares at least this share of the best one's words
+NUMBER_WORDS = {w: str(i) for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
+SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
 SNIPPET_CHARS = 240  # evidence text kept per source
 STOPWORDS = frozenset(
     "a an the of to in on at for from by with and or but is are was were be been being it its this that these "
@@ -78,50 +90,95 @@ class SourceLedger:
 
 @dataclass(frozen=True)
 class CitationCheck:
-    text: str  # the answer with unverifiable markers removed (and inferred ones appended)
-    sources: tuple[Source, ...]  # one per verified marker, in marker order
-    dropped_markers: tuple[int, ...]  # markers that matched no passage of this turn
-    inferred_markers: tuple[int, ...] = ()  # markers added by attribution (the model cited nothing)
+    text: str  # the answer with its markers assigned from evidence (see the design note)
+    sources: tuple[Source, ...]  # one per marker left in the text, in marker order
+    dropped_markers: tuple[int, ...]  # markers removed: no passage of this turn, or no passage supports the claim
+    inferred_markers: tuple[int, ...] = ()  # markers added to sentences the model did not cite
+    reassigned: tuple[tuple[int, int], ...] = ()  # (the model's marker, the supporting one) pairs
 
     def to_meta(self) -> dict[str, Any]:
         return {"sources": [asdict(s) for s in self.sources], "dropped_markers": list(self.dropped_markers),
-                "inferred_markers": list(self.inferred_markers)}
+                "inferred_markers": list(self.inferred_markers), "reassigned_markers": [list(p) for p in self.reassigned]}
 
 
 def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = True) -> CitationCheck:
-    """Keep the markers that name a passage of this turn; drop the others (see the design note)."""
-    cited: list[int] = []
+    """Assign the answer's markers from evidence (see the design note)."""
+    words = {p.marker: content_words(p.text) for p in ledger.passages}
+    claims: dict[int, str] = {}  # marker -> the first claim it supports (for the snippet)
     dropped: list[int] = []
+    reassigned: list[tuple[int, int]] = []
 
-    def keep_valid(match: re.Match) -> str:
-        numbers = [int(n) for n in match.group(1).split(",")]
-        good = [n for n in numbers if ledger.get(n) is not None]
-        for n in numbers:
-            (cited if n in good else dropped).append(n)
-        return f"[{', '.join(map(str, good))}]" if good else ""
+    def assign(prose: str) -> str:
+        out, last = [], 0
+        for run in MARKER_RUN.finditer(prose):
+            claim = _claim(prose, last, run.start())
+            numbers = [int(n) for m in MARKER.finditer(run.group(0)) for n in m.group(1).split(",")]
+            kept: list[int] = []
+            for n in numbers:
+                chosen = _supporting(n, claim, words) if n in words else None
+                if n not in words or chosen is None:
+                    dropped.append(n)
+                    continue
+                if chosen != n:
+                    reassigned.append((n, chosen))
+                if chosen not in kept:
+                    kept.append(chosen)
+                    claims.setdefault(chosen, claim)
+            out += [prose[last:run.start()], f"[{', '.join(map(str, kept))}]" if kept else ""]
+            last = run.end()
+        out.append(prose[last:])
+        return "".join(out)
 
-    text = _outside_code(answer, lambda prose: MARKER_RUN.sub(lambda run: MARKER.sub(keep_valid, run.group(0)), prose))
+    text = _outside_code(answer, assign)
     if dropped:
         text = re.sub(r"[ \t]+([.,;:!?])", r"\1", text)  # "fact [9]." -> "fact."
         text = re.sub(r"[ \t]{2,}", " ", text)
     inferred: list[int] = []
-    if attribute and not cited and len(ledger):
-        text, inferred = attribute_sentences(text, ledger.passages)
-        cited = inferred
-    markers = sorted(set(cited))
-    sources = tuple(_source(ledger.get(n)) for n in markers)  # type: ignore[arg-type]
-    return CitationCheck(text, sources, tuple(sorted(set(dropped))), tuple(sorted(set(inferred))))
+    if attribute and words:
+        text, inferred = attribute_sentences(text, ledger.passages, claims)
+    markers = sorted({int(n) for m in MARKER.finditer(_without_code(text)) for n in m.group(1).split(",")} & set(words))
+    sources = tuple(_source(ledger.get(n), claims.get(n, "")) for n in markers)  # type: ignore[arg-type]
+    really_dropped = sorted(set(dropped) - set(markers))
+    return CitationCheck(text, sources, tuple(really_dropped), tuple(sorted(set(inferred))), tuple(reassigned))
 
 
-def attribute_sentences(answer: str, passages: Iterable[Passage]) -> tuple[str, list[int]]:
-    """Append `[n]` to each sentence that shares at least MIN_SHARED_WORDS content words with
-    passage n (the best such passage). Returns the new text and the markers used."""
+def _claim(prose: str, start: int, end: int) -> str:
+    """The text a marker run at `end` closes: since the previous run or sentence end (markers removed)."""
+    prose = MARKER_RUN.sub(lambda m: " " * len(m.group(0)), prose)
+    segment = prose[start:end]
+    sentences = SENTENCE.split(segment)
+    claim = sentences[-1] if sentences else segment
+    if len(content_words(claim)) < MIN_CLAIM_WORDS:  # "…, see [2]": widen to the sentence
+        before = SENTENCE.split(prose[:end])
+        claim = before[-1] if before else claim
+        if len(content_words(claim)) < MIN_CLAIM_WORDS and len(before) > 1:
+            claim = before[-2] + " " + claim
+    return claim
+
+
+def _supporting(marker: int, claim: str, words: dict[int, set[str]]) -> int | None:
+    """The marker the claim should carry: the model's, the best-supporting passage's, or None."""
+    mine = content_words(claim)
+    if not mine:
+        return marker  # nothing to check against (a bare "[1]"): trust the number
+    need = min(MIN_SHARED_WORDS, len(mine))
+    shared = {n: len(mine & theirs) for n, theirs in words.items()}
+    best = max(shared, key=lambda n: (shared[n], n == marker))
+    if shared[marker] >= need and shared[marker] >= KEEP_RATIO * shared[best]:
+        return marker
+    return best if shared[best] >= need else None
+
+
+def attribute_sentences(answer: str, passages: Iterable[Passage],
+                        claims: dict[int, str] | None = None) -> tuple[str, list[int]]:
+    """Append `[n]` to each uncited sentence that shares at least MIN_SHARED_WORDS content words with
+    passage n (the best such passage). Returns the new text and the markers added."""
     passages = list(passages)
     words = [(p, content_words(p.text)) for p in passages]
     used: list[int] = []
     out: list[str] = []
     for sentence in re.split(r"(?<=[.!?])(\s+)", answer):
-        if not sentence.strip():
+        if not sentence.strip() or MARKER_RUN.search(_without_code(sentence)) or CODE.search(sentence):
             out.append(sentence)
             continue
         mine = content_words(sentence)
@@ -135,8 +192,14 @@ def attribute_sentences(answer: str, passages: Iterable[Passage]) -> tuple[str, 
             end = len(stripped) - 1 if stripped and stripped[-1] in ".!?" else len(stripped)
             sentence = f"{stripped[:end]} [{best.marker}]{stripped[end:]}{sentence[len(stripped):]}"
             used.append(best.marker)
+            if claims is not None:
+                claims.setdefault(best.marker, sentence)
         out.append(sentence)
     return "".join(out), used
+
+
+def _without_code(text: str) -> str:
+    return CODE.sub(" ", text)
 
 
 def _outside_code(text: str, edit) -> str:
@@ -149,11 +212,25 @@ def _outside_code(text: str, edit) -> str:
 
 
 def content_words(text: str) -> set[str]:
-    return {w.lower().strip(".") for w in WORD.findall(text)} - STOPWORDS
+    """Lower-cased words without stopwords, plural "s" and spelled-out small numbers folded
+    ("Seven years" and "7 year" share both words)."""
+    words = (w.lower().strip(".") for w in WORD.findall(text))
+    return {_fold(w) for w in words if w not in STOPWORDS}
 
 
-def _source(passage: Passage) -> Source:
-    snippet = " ".join(passage.text.split())
+def _fold(word: str) -> str:
+    word = NUMBER_WORDS.get(word, word)
+    return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
+
+
+def _source(passage: Passage, claim: str = "") -> Source:
+    """The source of a marker, its snippet the passage sentence that best matches the claim."""
+    text = " ".join(passage.text.split())
+    snippet = text
+    wanted = content_words(claim)
+    if wanted:
+        sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+        snippet = max(sentences, key=lambda s: len(wanted & content_words(s)), default=text)
     if len(snippet) > SNIPPET_CHARS:
         snippet = snippet[: SNIPPET_CHARS - 1] + "…"
     return Source(passage.marker, passage.doc, passage.page, snippet, passage.chunk_id)

@@ -21,8 +21,9 @@ def test_valid_marker_kept_and_hallucinated_one_dropped():
 
 
 def test_grouped_markers_are_filtered_one_by_one():
-    check = verify_citations("Both facts [1, 2, 9] and [2][4].", _ledger())
-    assert check.text == "Both facts [1, 2] and [2]."
+    check = verify_citations("The Zephyr X2 has a warranty of 7 years [1, 9] and is a compact air purifier [2][4].",
+                             _ledger())
+    assert check.text == "The Zephyr X2 has a warranty of 7 years [1] and is a compact air purifier [2]."
     assert [s.marker for s in check.sources] == [1, 2] and check.dropped_markers == (4, 9)
 
 
@@ -46,11 +47,12 @@ def test_turn_with_documents_cites_the_right_page_and_stores_sources(tmp_path):
     done = events[-1]
     # passages shown: [1] p. 3 and [2] p. 1 (p. 2 shares no word with the question); [5] was never shown
     assert "[3]" not in context["content"] and "[2] zephyr_manual.pdf p. 1" in context["content"]
-    assert sources.dropped_markers == (5,) and [(s.marker, s.page) for s in sources.sources] == [(2, 1)]
-    assert "[5]" not in done.text and "[2]" in done.text
+    # the model cited [2] (p. 1, which says nothing of a warranty): the evidence is [1] on p. 3
+    assert sources.dropped_markers == (5,) and [(s.marker, s.page) for s in sources.sources] == [(1, 3)]
+    assert "[5]" not in done.text and "[2]" not in done.text and done.text.startswith("The warranty period is 7 years [1].")
     stored = orch.store.get_message(done.message_id)
-    assert stored.meta["dropped_markers"] == [5]
-    assert [s["marker"] for s in stored.meta["sources"]] == [2]
+    assert stored.meta["dropped_markers"] == [5] and stored.meta["reassigned_markers"] == [[2, 1]]
+    assert [s["marker"] for s in stored.meta["sources"]] == [1]
     assert "[5]" not in stored.content
     started = [e for e in events if isinstance(e, ToolCallStarted)]
     assert started[0].name == "search_documents"  # auto-retrieval is shown as a step
@@ -153,3 +155,16 @@ def test_unreadable_index_turns_document_tools_off_with_one_warning(caplog):
         assert handle.has_documents() is False
     assert [r.message for r in caplog.records].count(
         "Document tools are off: the document index cannot be read (index is locked by another process).") == 1
+
+
+def test_a_claim_no_passage_supports_gets_no_marker():
+    check = verify_citations("The Zephyr X2 was designed in Oslo by Nordic engineers [1].", _ledger())
+    assert check.text == "The Zephyr X2 was designed in Oslo by Nordic engineers." and check.sources == ()
+    assert check.dropped_markers == (1,)
+
+
+def test_a_claim_cited_to_the_wrong_passage_moves_to_the_one_that_supports_it():
+    check = verify_citations("It is a compact air purifier [1]. The warranty period is 7 years [1].", _ledger())
+    assert check.text == "It is a compact air purifier [2]. The warranty period is 7 years [1]."
+    assert check.reassigned == ((1, 2),) and [s.page for s in check.sources] == [3, 1]
+    assert check.sources[0].snippet.startswith("Warranty: the Zephyr X2 comes with a warranty period of 7 years")

@@ -22,7 +22,8 @@ def test_scores_accuracy_and_citation_page_precision(tmp_path):
     items = read_qa_file(qa, warn=warnings.append)
     assert [i.line for i in items] == [1, 2] and len(warnings) == 2 and "Skipping line 3" in warnings[0]
     # answer 1 right and cites page 3 ([1]) plus page 1 (wrong); answer 2 wrong, cites page 2
-    assistant, _ = make_assistant(tmp_path, "It is 7 years [1] for purifiers [2].", "Every year [1].",
+    assistant, _ = make_assistant(tmp_path, "It is 7 years [1] for a compact air purifier [2].",
+                                  "Replace the filter every year [1].",
                                 retriever=FakeRetriever(MANUAL))
     report = evaluate_answers(assistant, items)
     assert [r.correct for r in report.results] == [True, False]
