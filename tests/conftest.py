@@ -7,8 +7,12 @@ Use `need(condition, what, fix)` inside such a test to express the requirement.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -23,6 +27,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, *, timeout_s: float = 60) -> Iterator[str]:
+    """An ASGI app on a real uvicorn server in a thread (one event loop, like the product's);
+    yields its base URL and stops it afterwards."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def need(condition: bool, what: str, fix: str) -> None:

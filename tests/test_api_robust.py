@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import socket
 import threading
 import time
 from typing import Any, Iterator
@@ -25,39 +24,23 @@ import pytest
 from assistant.engine.base import Engine, SamplingParams, TokenDelta
 from assistant.engine.fake import ScriptedEngine
 from assistant.errors import EngineError
+from tests.conftest import serve_in_thread
 
 USER = {"role": "user", "content": "hi"}
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _serve(engine: Engine, **kw: Any) -> Iterator[str]:
     """The /v1 router on a real uvicorn server in a thread (one event loop, like the product's)."""
-    import uvicorn
     from fastapi import FastAPI
 
     from assistant.server.openai import create_api
 
     app = FastAPI()
     app.include_router(create_api(engine, model_name="test-model", **kw))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{srv.config.port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
+    with serve_in_thread(app, timeout_s=20) as base:
+        yield base
 
 
 def _assert_openai_400(response: httpx.Response, param: str | None = "any") -> dict[str, Any]:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import io
 import json
-import threading
-import time
 
 import httpx
 import pytest
 
 from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
-from tests.conftest import free_port
+from tests.conftest import serve_in_thread
 
 QUESTION = "What is the warranty period of the Zephyr X2?"
 ANSWER = "The warranty period is 7 years [1]."
@@ -23,24 +21,11 @@ ANSWER = "The warranty period is 7 years [1]."
 @pytest.fixture
 def served(tmp_path):
     pytest.importorskip("gradio")
-    import uvicorn
-
     from assistant.server.app import create_app
 
     assistant, engine = make_assistant(tmp_path, *[ANSWER] * 8, retriever=FakeRetriever(MANUAL))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(assistant), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    try:
-        yield assistant, engine, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serve_in_thread(create_app(assistant)) as base:
+        yield assistant, engine, base
 
 
 def _stored_turn(assistant, conversation_id):
