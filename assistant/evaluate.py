@@ -569,6 +569,8 @@ def cmd_eval_answers(args: argparse.Namespace, config) -> int:
             output.write(json.dumps(result.to_dict(), ensure_ascii=False) + "\n")
             output.flush()
 
+    # build_assistant opens the SQLite store in the data dir before anything else would create it
+    Path(config.data_dir).mkdir(parents=True, exist_ok=True)
     print(f"Loading model {config.engine.model}...", file=sys.stderr, flush=True)
     try:
         with build_assistant(config) as assistant:
