@@ -232,7 +232,10 @@ def test_leaks_of_the_system_prompt_and_the_citation_example_are_flagged(tmp_pat
     assert len(system.split()) >= 8
     eight = " ".join(system.split()[2:10]).upper()  # case and punctuation do not hide it
     assert leaks.check(f"Sure! {eight} and here is more.")
-    assert leaks.check("The device weighs 2 kg [1].") == "the device weighs 2 kg"  # the citation example
+    # the prompts hold no copyable example answer any more; one that did would be caught verbatim
+    assert not any("for example" in t.lower() for t in texts) and leaks.check("The device weighs 2 kg [1].") == ""
+    example = LeakDetector(["Cite the passage you use, for example: The device weighs 2 kg [2]."])
+    assert example.check("The device weighs 2 kg [1].") == "the device weighs 2 kg"  # the citation example
     assert leaks.check("The warranty period is 7 years [1].") == ""
     assert leaks.check("You are right, this assistant is helpful.") == ""  # a few prompt words are no leak
     # a run across the {passages} placeholder is not prompt text
@@ -301,7 +304,7 @@ def test_repeat_runs_in_fresh_conversations_and_reports_agreement(tmp_path):
 def test_output_lines_carry_what_a_failure_needs(tmp_path):
     item = _item(id="t1", kind="table", question="warranty period of the Zephyr X2?",
                  must_contain=[["7 years", "seven"]], pages=[3], docs=["zephyr_manual.pdf"])
-    assistant, _ = make_assistant(tmp_path, "It is 5 years [1].", retriever=FakeRetriever(MANUAL))
+    assistant, _ = make_assistant(tmp_path, "The warranty period is 5 years [1].", retriever=FakeRetriever(MANUAL))
     line = evaluate_answers(assistant, [item]).results[0].to_dict()
     assert json.loads(json.dumps(line)) == line
     for key in ("id", "kind", "question", "answer", "correct", "cited_pages", "latency_s", "leaked", "missing"):
