@@ -129,9 +129,10 @@ def test_three_turn_conversation_survives_a_server_restart(models_dir, tmp_path)
     from gradio_client import Client
 
     from assistant.store import Store
-    from tests.test_e2e import _free_port, _start_server, _stop
+    from tests.conftest import free_port
+    from tests.test_e2e import _start_server, _stop
 
-    port = _free_port()
+    port = free_port()
     proc = _start_server(models_dir, tmp_path, port)
     try:
         client = Client(f"http://127.0.0.1:{port}/", verbose=False)
