@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 
 import httpx
 import pytest
@@ -13,17 +10,11 @@ from assistant.engine.base import SamplingParams
 from assistant.engine.fake import ScriptedEngine
 from assistant.engine.remote import RemoteEngine
 from assistant.errors import EngineError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import free_port, serve_in_thread
 
 
 @pytest.fixture
 def server():
-    import uvicorn
     from fastapi import FastAPI
 
     from assistant.server.openai import create_api
@@ -31,16 +22,8 @@ def server():
     engine = ScriptedEngine()
     app = FastAPI()
     app.include_router(create_api(engine, model_name="test-model", api_keys=("sekret",)))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app, timeout_s=20) as url:
+        yield engine, url
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -93,6 +76,6 @@ def test_structured_tool_calls_become_native_text(server):
 
 
 def test_unreachable_server_says_how_to_fix():
-    remote = RemoteEngine(f"http://127.0.0.1:{_free_port()}", model="m")
+    remote = RemoteEngine(f"http://127.0.0.1:{free_port()}", model="m")
     with pytest.raises(EngineError, match="Cannot reach the LLM server.*engine.remote_url"):
         list(remote.generate(MESSAGES, SamplingParams()))
