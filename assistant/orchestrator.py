@@ -79,7 +79,12 @@ class Orchestrator:
             return
         cid = self.store.get_or_create(conversation_id, title=text[:60]).id
         if turn_input.files and self.ingest_files is not None:
-            yield from self.ingest_files(cid, turn_input.files)
+            try:
+                yield from self.ingest_files(cid, turn_input.files)
+            except AssistantError as e:  # no attached file could be read: the question would be about nothing
+                yield Error(str(e))
+                yield Done(cid, "", "", "error")
+                return
         history = self.store.history(cid)
         verdict = self.input_guard.check(text, where="input")
         if not verdict.allowed:
