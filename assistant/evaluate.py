@@ -462,13 +462,18 @@ def format_table(report: EvalReport) -> str:
     results = report.results
     width = max([len("id")] + [len(r.item.id or str(r.item.line)) for r in results])
     rows = [f"{'id':<{width}}  {'kind':<12} {'ok':<4} {'cited':<10} {'expected':<10} question -> answer"]
+    other_doc = False
     for r in results:
-        cited = ",".join(map(str, r.cited_pages)) or "-"
+        marks = ["" if not r.item.docs or Path(d).name in r.item.docs else "*" for d in r.cited_docs]
+        other_doc = other_doc or "*" in marks
+        cited = ",".join(f"{p}{m}" for p, m in zip(r.cited_pages, marks)) or "-"
         expected = ",".join(map(str, r.item.pages)) or "-"
         answer = " ".join(r.answer.split())[:70]
         flag = " [LEAK]" if r.leak else ""
         rows.append(f"{r.item.id or r.item.line:<{width}}  {r.item.kind_key:<12} {_ok(r):<4} {cited:<10} "
                     f"{expected:<10} {' '.join(r.item.question.split())[:50]} -> {answer}{flag}")
+    if other_doc:
+        rows.append("(* a page of a document the item does not name)")
     return "\n".join(rows)
 
 

@@ -273,6 +273,8 @@ def test_page_precision_and_recall_arithmetic():
     assert m["num_questions"] == 5 and m["num_failed"] == 1
     assert m["refusal_correctness"] == 1.0 and m["false_refusals"] == 0.0
     assert results[1].to_dict()["cited"][0] == {"doc": "other.html", "page": 1, "right": False}
+    table = format_table(EvalReport([results]))
+    assert "3,9 " in table and "1*,1 " in table and "5 " in table and "(* a page of a document" in table
 
 
 def test_latency_percentiles():
