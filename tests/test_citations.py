@@ -168,3 +168,17 @@ def test_a_claim_cited_to_the_wrong_passage_moves_to_the_one_that_supports_it():
     assert check.text == "It is a compact air purifier [2]. The warranty period is 7 years [1]."
     assert check.reassigned == ((1, 2),) and [s.page for s in check.sources] == [3, 1]
     assert check.sources[0].snippet.startswith("Warranty: the Zephyr X2 comes with a warranty period of 7 years")
+
+
+def test_only_pages_the_model_is_shown_can_be_cited():
+    from tools.base import ToolContext
+    from tools.retrieval import MAX_READ_CHARS, ReadDocumentTool, RetrieverHandle
+
+    long_pages = [f"Page {i} text. " + "word " * 600 for i in range(1, 11)]  # ~3 kB each: 2 fit the budget
+    tool = ReadDocumentTool(RetrieverHandle(lambda: FakeRetriever({"/d/big.pdf": long_pages})))
+    ctx = ToolContext("c")
+    result = tool({"document": "big.pdf"}, ctx)
+    shown = [p.page for p in result.data]
+    assert 1 <= len(shown) < 10 and len(result.text) <= MAX_READ_CHARS + 200
+    assert [p.page for p in ctx.sources.passages] == shown  # the cut pages got no marker
+    assert f"(pages {list(range(len(shown) + 1, 11))} not shown" in result.text

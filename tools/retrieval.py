@@ -128,30 +128,33 @@ def search_passages(handle: RetrieverHandle, ledger: SourceLedger, query: str, *
     return [add_hit(ledger, hit) for hit in hits]
 
 
-def read_passages(handle: RetrieverHandle, ledger: SourceLedger, document: str,
-                  pages: list[int] | None = None) -> list[Passage]:
+def read_pages(handle: RetrieverHandle, document: str, pages: list[int] | None = None) -> list[Any]:
+    """Whole pages of `document` (not yet registered for citation: see render_within)."""
     try:
-        found = handle.get().read(document, pages or None)
+        return list(handle.get().read(document, pages or None))
     except Exception as e:  # DocumentNotFound and friends: the model named something that is not there
         if type(e).__name__ in ("DocumentNotFound", "KeyError", "FileNotFoundError"):
             names = ", ".join(doc_name(d) for d in handle.get().documents()) or "none"
             raise ToolInputError(f"No document {document!r}. Documents: {names}.") from e
         raise
-    return [add_page(ledger, page) for page in found]
 
 
-def render_within(passages: Sequence[Passage], max_chars: int) -> tuple[list[str], list[Passage]]:
-    """The one budget loop: passages rendered in order while they fit in `max_chars` (the first one
-    always), and the passages left over."""
+def render_within(ledger: SourceLedger, pages: Sequence[Any], max_chars: int) -> tuple[list[Passage], list[str], list[Any]]:
+    """The one budget loop: pages registered in the ledger and rendered, in order, while they fit in
+    `max_chars` (the first one always); returns (passages, their renderings, the pages left over).
+    Only pages the model is shown get a marker, so nothing unseen can be cited."""
+    passages: list[Passage] = []
     rendered: list[str] = []
     used = 0
-    for i, p in enumerate(passages):
-        text = p.render()
-        if used + len(text) > max_chars and rendered:
-            return rendered, list(passages[i:])
-        rendered.append(text)
-        used += len(text)
-    return rendered, []
+    for i, page in enumerate(pages):
+        draft = Passage(len(ledger) + 1, doc_name(page), page.page, page.text, "").render()
+        if used + len(draft) > max_chars and rendered:
+            return passages, rendered, list(pages[i:])
+        passage = add_page(ledger, page)
+        passages.append(passage)
+        rendered.append(passage.render())
+        used += len(rendered[-1])
+    return passages, rendered, []
 
 
 def _ledger(ctx: ToolContext) -> SourceLedger:
@@ -209,13 +212,13 @@ class ReadDocumentTool(Tool):
         return self.handle.has_documents()
 
     def forward(self, document: str, pages: list[int] | None, ctx: ToolContext) -> ToolResult:
-        passages = read_passages(self.handle, _ledger(ctx), document, pages)
-        if not passages:
+        found = read_pages(self.handle, document, pages)
+        if not found:
             return ToolResult(f"{document} has no such pages.", ok=False, summary="no pages")
-        parts, rest = render_within(passages, MAX_READ_CHARS)
+        passages, parts, rest = render_within(_ledger(ctx), found, MAX_READ_CHARS)
         if rest:
             parts.append(f"(pages {[q.page for q in rest]} not shown: ask for them with the pages argument)")
-        return ToolResult("\n".join(parts), summary=f"read {passages[0].doc}: {len(passages)} pages",
+        return ToolResult("\n".join(parts), summary=f"read {passages[0].doc}: {len(passages)} of {len(found)} pages",
                           data=passages)
 
 
@@ -245,8 +248,8 @@ class DocumentPrefetch:
         if WHOLE_DOCUMENT.search(question):
             documents = [doc_name(d) for d in self.handle.get().documents()]
             named = [d for d in documents if d.lower() in question.lower()] or documents[:2]
-            passages = [p for d in named for p in read_passages(self.handle, ledger, d)]
-            rendered, _ = render_within(passages, self.max_read_chars)
+            found = [page for d in named for page in read_pages(self.handle, d)]
+            _, rendered, _ = render_within(ledger, found, self.max_read_chars)
             return Prefetched("read_document", {"documents": named}, rendered, f"read {len(rendered)} pages")
         hits = self.handle.get().search(question, self.k, None)
         asks_documents = DOCUMENT_WORDS.search(question) is not None
