@@ -309,3 +309,28 @@ def test_native_swiglu_matches_silu_times_up(ops):
     gate, up = gate_up.chunk(2, dim=-1)
     want = (torch.nn.functional.silu(gate.double()) * up.double())
     assert torch.allclose(ops.swiglu(gate_up).double(), want, rtol=1e-6, atol=1e-30)
+
+
+def test_exact_int_mm_is_int_mm_bit_for_bit_past_the_fp32_integer_range():
+    """Sums beyond 2**24 (K = 2,600 of 127 * 127) must come out exact, as torch._int_mm's int32 does."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randint(-127, 128, (70, 2600), generator=gen, dtype=torch.int8)
+    x = torch.randint(-127, 128, (9, 2600), generator=gen, dtype=torch.int8)
+    weight[0], x[0] = 127, 127  # 127 * 127 * 2600 = 41.9M: not exact as one fp32 sum
+    got = int8_module.exact_int_mm(x.float(), int8_module.exact_slices(weight))
+    assert got.dtype == torch.int32 and torch.equal(got, torch._int_mm(x, weight.t()))
+    assert got[0, 0].item() == 127 * 127 * 2600
+
+
+def test_prompt_rows_without_vnni_go_through_the_exact_gemm_and_match_int_mm(weights, monkeypatch):
+    weight, bias = weights
+    monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
+    monkeypatch.setattr(int8_module, "fbgemm_matches_int_mm", lambda: False)
+    monkeypatch.setattr(int8_module, "int_mm_is_fast", lambda: False)
+    exact = Linear(weight, bias, "int8", torch.float32)
+    monkeypatch.setattr(int8_module, "int_mm_is_fast", lambda: True)
+    int_mm = Linear(weight, bias, "int8", torch.float32)
+    assert exact.exact is not None and int_mm.exact is None
+    x = torch.randn(40, 256)
+    rows = RowSplit.from_mask(torch.ones(40, dtype=torch.bool))
+    assert torch.equal(exact(x, rows), int_mm(x, rows))

@@ -31,9 +31,15 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     over as integral floats (scale 1, zero point 128), which its own quantization leaves exact
     (fbgemm's dynamic-quant linear would quantize the whole batch with one scale, making a request's
     output depend on its batch). `fbgemm_matches_int_mm` checks bit-identity with `_int_mm` once per
-    process, int16 saturation included; where it fails, generated rows use `_weight_int8pack_mm`
-    and prompt rows `_int_mm`: the kernel is then chosen per token (prompt or generated), never by
-    batch size.
+    process, int16 saturation included; where it fails (AVX2 fbgemm saturates int16 pair sums),
+    generated rows use `_weight_int8pack_mm` and prompt rows `exact_int_mm`: the kernel is then
+    chosen per token (prompt or generated), never by batch size.
+  * `exact_int_mm` is `_int_mm`'s exact int32 result computed by fp32 GEMMs: int8 values are exact in
+    fp32, and so is every partial sum of a K-slice of at most EXACT_K (127 * 127 * 1024 < 2^24), in
+    any summation order; the slices' results add up in int32. On a CPU without VNNI, oneDNN's
+    `_int_mm` falls back to a slow path (2 threads, AVX2, 512x896 @ 896x4864: 1.13 s against 0.053 s
+    for the fp32 GEMM), which made a 1,500-token RAG prompt take minutes to prefill. The fp32 copy of
+    the weights (4x the int8 bytes) is made only on such CPUs.
 In every case the int8 weights are held twice (the GEMV layout and `_int_mm`'s); decode reads one.
 
 Greedy rows (temperature 0, the default) need only the argmax of the lm_head, which is a quarter of a
@@ -57,6 +63,7 @@ import torch.nn.functional as F
 
 from assistant.engine.native import int8_kernels
 
+EXACT_K = 1024  # exact_int_mm's K-slice: 127 * 127 * EXACT_K < 2**24, the last integer fp32 holds exactly
 FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the module docstring)
 SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard deviations (csrc/lm_head.cpp)
 
@@ -67,7 +74,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype):
         self.bias = None if bias is None else bias.to(dtype)
         self.int8 = quantize == "int8"
-        self.packed = self.native = self.screen = None
+        self.packed = self.native = self.screen = self.exact = None
         self.screened_rows = self.screened_candidates = 0  # statistics of `greedy_logits`
         if self.int8:
             w = weight.float()
@@ -80,6 +87,8 @@ class Linear:
                 self.bias = None if bias is None else self.bias.contiguous()  # the kernel reads it raw
             elif on_cpu and fbgemm_matches_int_mm():
                 self.packed = fbgemm_pack(self.weight, self.scale)
+            elif on_cpu and not int_mm_is_fast():
+                self.exact = exact_slices(self.weight)
         else:
             self.weight = weight.to(dtype).contiguous()
 
@@ -118,6 +127,8 @@ class Linear:
             xq = torch.cat([head, (u[refine] - head[refine]).mul_(254.0).round_()])
         if self.packed is not None and xq.size(0) <= FBGEMM_MAX_ROWS:
             acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xq, 1.0, 128, self.packed)
+        elif self.exact is not None:
+            acc = exact_int_mm(xq, self.exact).float().mul_(self.scale)
         else:
             acc = torch._int_mm(xq.to(torch.int8), self.weight.t()).float().mul_(self.scale)
         # acc = float(int32 dot) * channel scale, as fbgemm computes it; the residual rows count 1/254
@@ -166,6 +177,39 @@ class Linear:
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale.to(torch.bfloat16)).to(x.dtype)
 
 
+def exact_slices(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The int8 weights (N, K) as fp32 K-slices of at most EXACT_K columns, for `exact_int_mm`."""
+    return [w.float().contiguous() for w in weight.split(EXACT_K, dim=1)]
+
+
+def exact_int_mm(xq: torch.Tensor, slices: list[torch.Tensor]) -> torch.Tensor:
+    """`torch._int_mm(xq, W.T)` bit for bit, for integral xq in [-127, 127] (any float dtype), from fp32
+    GEMMs over K-slices whose sums are exact (module docstring). Returns int32 (T, N)."""
+    x = xq.float()
+    out, k = None, 0
+    for w in slices:
+        part = F.linear(x[:, k:k + w.size(1)], w).to(torch.int32)
+        out = part if out is None else out.add_(part)
+        k += w.size(1)
+    return out
+
+
+@functools.cache
+def int_mm_is_fast() -> bool:
+    """Whether oneDNN runs `_int_mm` with VNNI here (where it does not, prefill goes through
+    `exact_int_mm`). ASSISTANT_ENGINE_INT_MM=exact|int_mm overrides the probe."""
+    import os
+
+    forced = os.environ.get("ASSISTANT_ENGINE_INT_MM", "")
+    if forced in ("exact", "int_mm"):
+        return forced == "int_mm"
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True
+    return "avx512_vnni" in flags or "avx_vnni" in flags or "amx_int8" in flags
+
+
 def fbgemm_pack(weight: torch.Tensor, scale: torch.Tensor) -> Any:
     """Prepack int8 (N, K) weights with per-channel scales for fbgemm."""
     import warnings
@@ -193,7 +237,7 @@ def fbgemm_matches_int_mm() -> bool:
     weight[0] = 127
     scale = torch.rand(48, generator=gen) / 100 + 1e-4
     probe = Linear.__new__(Linear)
-    probe.bias, probe.int8, probe.weight, probe.scale = None, True, weight, scale
+    probe.bias, probe.int8, probe.weight, probe.scale, probe.exact = None, True, weight, scale, None
     try:
         probe.packed = fbgemm_pack(weight, scale)
     except Exception:  # noqa: BLE001 - an fbgemm that cannot pack here is an fbgemm we do not use
