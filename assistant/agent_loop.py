@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 from assistant.citations import SourceLedger
 from assistant.config import AssistantConfig
 from assistant.context import PromptParts, fit_prompt
+from assistant.counting import MAX_ITEMS, count_answer, section_items, supported_items
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.routing import Router
@@ -131,7 +132,7 @@ class TurnState:
                 "all_prompt_tokens": self.all_prompt_tokens, "breakdown": self.breakdown}
 
 
-Prefetch = Callable[[str, SourceLedger], Any]  # (question, ledger) -> tools.retrieval.Prefetched | None
+Prefetch = Callable[[str, SourceLedger, list], Any]  # (question, ledger, earlier user questions) -> Prefetched | None
 Summarize = Callable[[str, list, int], str]
 
 
@@ -166,7 +167,12 @@ class AgentLoop:
         turn.documents = "search_documents" in by_name  # markers are checked whenever documents could be cited
         ctx = ToolContext(turn.cid, turn.ledger)
         emitter = Emitter(self.transformers, turn.parts)
-        context = yield from self._prefetch(user["content"], turn, enabled=turn.documents)
+        history = [m["content"] for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
+        if found is not None and found.count and context:
+            if (yield from self._count(turn, user, emitter)):
+                yield from emitter.finish()
+                return
         steps: list[Message] = []
         repairs_left, offer_tools = self.options.max_repairs, bool(tools)
         seen_calls: set[str] = set()
@@ -238,14 +244,27 @@ class AgentLoop:
                 yield Notice("The model could not write a valid tool call; it answers without tools.")
         yield from emitter.finish()
 
-    def _prefetch(self, question: str, turn: TurnState, *, enabled: bool) -> Iterator[TurnEvent]:
-        """Passages for the question before the first step (tools/retrieval.py), each observed."""
+    def _count(self, turn: TurnState, user: Message, emitter: Emitter) -> Iterator[TurnEvent]:
+        """A counting question over the prefetched section, counted in code (assistant/counting.py).
+        Returns whether it answered (a section without a list falls back to the ordinary answer)."""
+        passages = turn.ledger.passages
+        items = supported_items(section_items("\n".join(p.text for p in passages)), passages)
+        if not items or len(items) > MAX_ITEMS:
+            return False
+        yield from emitter.emit(count_answer(user["content"], items))
+        turn.finish, turn.model, turn.route = "stop", "counted in code", "count"
+        return True
+
+    def _prefetch(self, question: str, turn: TurnState, history: list[str], *,
+                  enabled: bool) -> Iterator[TurnEvent]:
+        """Passages for the question before the first step (tools/retrieval.py), each observed;
+        returns (context, what was prefetched or None)."""
         if not (enabled and self.options.auto_retrieve and self.prefetch is not None):
-            return []
-        found = self.prefetch(question, turn.ledger)
+            return [], None
+        found = self.prefetch(question, turn.ledger, history)
         if found is None:
-            return []
-        call_id = "auto_read" if found.tool == "read_document" else "auto_search"
+            return [], None
+        call_id = {"read_document": "auto_read", "read_section": "auto_section"}.get(found.tool, "auto_search")
         yield ToolCallStarted(call_id, found.tool, found.arguments)
         yield ToolCallFinished(call_id, found.tool, True, found.summary)
         context = []
@@ -254,4 +273,4 @@ class AgentLoop:
             if verdict is not None:
                 yield verdict
             context.append(observed)
-        return context
+        return context, found

@@ -55,11 +55,13 @@ class Passage:
     page: int | None  # 1-based page, None when the format has none
     text: str  # the text the model was shown
     chunk_id: str  # retriever chunk id, or "<doc_id>:p<page>" for a whole page read
+    heading: str = ""  # the section heading above the passage ("" when unknown)
 
     def render(self, max_chars: int | None = None) -> str:
         text = self.text if max_chars is None or len(self.text) <= max_chars else self.text[:max_chars] + " …"
         where = f"{self.doc} p. {self.page}" if self.page is not None else self.doc
-        return f"[{self.marker}] {where}: {' '.join(text.split())}"
+        section = f" (section {self.heading})" if self.heading else ""
+        return f"[{self.marker}] {where}{section}: {' '.join(text.split())}"
 
 
 class SourceLedger:
@@ -69,10 +71,10 @@ class SourceLedger:
         self._by_marker: dict[int, Passage] = {}
         self._by_chunk: dict[str, int] = {}
 
-    def add(self, doc: str, page: int | None, text: str, chunk_id: str) -> Passage:
+    def add(self, doc: str, page: int | None, text: str, chunk_id: str, heading: str = "") -> Passage:
         if chunk_id in self._by_chunk:
             return self._by_marker[self._by_chunk[chunk_id]]
-        passage = Passage(len(self._by_marker) + 1, doc, page, text, chunk_id)
+        passage = Passage(len(self._by_marker) + 1, doc, page, text, chunk_id, heading)
         self._by_marker[passage.marker] = passage
         self._by_chunk[chunk_id] = passage.marker
         return passage

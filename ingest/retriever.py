@@ -130,6 +130,44 @@ class Retriever:
         found = sorted(self.index.scroll(where), key=lambda p: p["page"])
         return [PageText(p["doc_id"], p["path"], p["page"], p["text"]) for p in found]
 
+    def section(self, hit: Hit, max_chars: int = 8000) -> list[PageText]:
+        """The text of the section `hit` lies in, as page slices in order: the run of the document's
+        chunks (in chunk order) that carry the hit's heading and include the hit, from the first one's
+        start to the last one's end, at most `max_chars` (the hit's own page slice when the document has
+        no headings there). For whole-section questions: "how many options…", "list every…"."""
+        chunks = sorted(self.index.scroll({"kind": "chunk", "visible": 1, "doc_id": hit.doc_id}),
+                        key=lambda c: c["chunk_index"])
+        at = next((i for i, c in enumerate(chunks) if c["page"] == hit.page and c["start_char"] == hit.start_char), None)
+        if at is None or not hit.heading:
+            first = last = {"page": hit.page, "start_char": hit.start_char, "end_char": hit.end_char}
+        else:
+            lo = hi = at
+            while lo > 0 and chunks[lo - 1].get("heading", "") == hit.heading:
+                lo -= 1
+            while hi + 1 < len(chunks) and chunks[hi + 1].get("heading", "") == hit.heading:
+                hi += 1
+            first, last = chunks[lo], chunks[hi]
+            if lo > 0:  # the chunk before the run may hold the heading and the section's first lines
+                before = chunks[lo - 1]
+                text = next(iter(self.read(hit.doc_id, [before["page"]])), None)
+                at_heading = text.text.find(hit.heading, before["start_char"]) if text is not None else -1
+                if 0 <= at_heading < before["end_char"]:
+                    first = {"page": before["page"], "start_char": at_heading}
+        pages = {p.page: p for p in self.read(hit.doc_id, list(range(first["page"], last["page"] + 1)))}
+        out: list[PageText] = []
+        left = max_chars
+        for number in sorted(pages):
+            page = pages[number]
+            start = first["start_char"] if number == first["page"] else 0
+            end = last["end_char"] if number == last["page"] else len(page.text)
+            text = page.text[start:end][:left]
+            if text.strip():
+                out.append(PageText(page.doc_id, page.path, number, text))
+                left -= len(text)
+            if left <= 0:
+                break
+        return out
+
     def ingester(self, *, chunk_tokens: int = 200, overlap_tokens: int = 30):
         """An `Ingester` writing into this retriever's collection: a process that serves searches
         (the UI) must ingest uploads through it, because an Edge shard has one owner process. It shares

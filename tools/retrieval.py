@@ -27,7 +27,11 @@ MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
 MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
 DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
 DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
-WHOLE_DOCUMENT = re.compile(r"\b(summari[sz]e|summary|whole|entire|how many|compare|comparison|all the|overview)\b", re.I)
+# a request about whole files: only with a document word or a file name ("deletes a whole structure" is not)
+SUMMARY = re.compile(r"\b(summari[sz]e|summary|compare|comparison|overview)\b", re.I)
+COUNTING = re.compile(r"\bhow many\b|\bnumber of (?:the )?\w+ (?:are|is|does|do)\b", re.I)
+# a question that leans on the previous one: "And ...?", "what does it return?", "those", "the second one"
+FOLLOW_UP = re.compile(r"^\s*(?:and|also|then|so)\b|\b(?:it|its|that|those|these|them|they|this|one|ones|there)\b", re.I)
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ def doc_name(item: Any) -> str:
 
 
 def add_hit(ledger: SourceLedger, hit: Any) -> Passage:
-    return ledger.add(doc_name(hit), getattr(hit, "page", None), hit.text, str(hit.chunk_id))
+    return ledger.add(doc_name(hit), getattr(hit, "page", None), hit.text, str(hit.chunk_id), getattr(hit, "heading", ""))
 
 
 def add_page(ledger: SourceLedger, page: Any) -> Passage:
@@ -226,34 +230,85 @@ class ReadDocumentTool(Tool):
 class Prefetched:
     """What DocumentPrefetch put into the turn: shown to the user as an automatic tool step."""
 
-    tool: str  # "search_documents" or "read_document"
+    tool: str  # "search_documents", "read_document" or "read_section"
     arguments: dict[str, Any]
-    passages: list[str]  # rendered "[n] doc p. N: text", best first
+    passages: list[str]  # rendered "[n] doc p. N (section S): text", best first
     summary: str  # one line for display
+    count: bool = False  # a "how many" question over one section: the agent loop counts by listing
+
+
+def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
+    """The search query for `question`: a follow-up ("and the second one?", "what does it return?")
+    is searched together with the user's previous question, which holds what "it" refers to."""
+    if history and FOLLOW_UP.search(question):
+        return f"{history[-1]} {question}"
+    return question
+
+
+NAMED_SECTION = re.compile(r"[\'\"\u2018\u201c]([^\'\"\u2019\u201d]{3,80})[\'\"\u2019\u201d]|"
+                           r"\b((?:[A-Z][\w-]*\s+){0,5}[A-Z][\w-]*)\s+(?:section|chapter)\b")
+
+
+def named_section(question: str) -> str:
+    """The section a question names: 'New in this release' in quotes, or "the Return Codes section"."""
+    match = NAMED_SECTION.search(question)
+    return (match.group(1) or match.group(2)).strip() if match else ""
+
+
+def section_hit(question: str, hits: Sequence[Any], named: str = "") -> Any | None:
+    """The hit whose section a whole-section question is about: one whose heading is the section the
+    question names, else the best hit under a heading among the first three, else the best hit."""
+    if not hits:
+        return None
+    wanted = content_words(named)
+    for hit in hits if wanted else ():
+        heading = content_words(getattr(hit, "heading", "") or "")
+        if heading and wanted <= heading:
+            return hit
+    return next((h for h in hits[:3] if getattr(h, "heading", "")), hits[0])
 
 
 class DocumentPrefetch:
     """Retrieval before the model's first step, through the same handle, ledger and renderings as
-    the tools. A question about whole files (summarise, how many, compare) reads whole pages of the
-    files it names (else the first two), within `max_read_chars`; any other question is searched,
-    and hits that share no content word with it are left out unless it names documents ("file",
-    "pdf", ...), so "compute the 20th Fibonacci number" does not drag a manual into the prompt."""
+    the tools. Three paths:
+      * a request to summarise or compare files (SUMMARY words with a document word or a file name)
+        reads whole pages of the files it names (else the first two), within `max_read_chars`;
+      * a counting question ("how many…") reads the whole section the best matching chunk lies in
+        (`Retriever.section`), so the items that are counted are all in front of the model, and the
+        agent loop counts them by listing (see assistant/counting.py);
+      * any other question is searched (with the previous question when it is a follow-up), and hits
+        that share no content word with it are left out unless it names documents ("file", "pdf",
+        ...), so "compute the 20th Fibonacci number" does not drag a manual into the prompt."""
 
     def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000) -> None:
         self.handle, self.k, self.max_read_chars = handle, k, max_read_chars
 
-    def __call__(self, question: str, ledger: SourceLedger) -> Prefetched | None:
+    def __call__(self, question: str, ledger: SourceLedger, history: Sequence[str] = ()) -> Prefetched | None:
         if not self.handle.has_documents():
             return None
-        if WHOLE_DOCUMENT.search(question):
-            documents = [doc_name(d) for d in self.handle.get().documents()]
-            named = [d for d in documents if d.lower() in question.lower()] or documents[:2]
+        documents = [doc_name(d) for d in self.handle.get().documents()]
+        named = [d for d in documents if d.lower() in question.lower()]
+        if SUMMARY.search(question) and (named or DOCUMENT_WORDS.search(question)):
+            named = named or documents[:2]
             found = [page for d in named for page in read_pages(self.handle, d)]
             _, rendered, _ = render_within(ledger, found, self.max_read_chars)
             return Prefetched("read_document", {"documents": named}, rendered, f"read {len(rendered)} pages")
-        hits = self.handle.get().search(question, self.k, None)
+        query = retrieval_query(question, history)
+        retriever = self.handle.get()
+        if COUNTING.search(question) and callable(getattr(retriever, "section", None)):
+            named = named_section(question)
+            hits = retriever.search(named, 2 * self.k + 2, None) if named else []  # the section by its name first
+            hit = section_hit(question, [*hits, *retriever.search(query, 2 * self.k + 2, None)], named)
+            if hit is not None:
+                pages = retriever.section(hit, self.max_read_chars)
+                passages = [ledger.add(doc_name(p), p.page, p.text, f"{hit.chunk_id}:section:p{p.page}", hit.heading)
+                            for p in pages]
+                where = f"{doc_name(hit)} section {hit.heading or '(untitled)'}"
+                return Prefetched("read_section", {"document": doc_name(hit), "section": hit.heading},
+                                  [p.render() for p in passages], where, count=True)
+        hits = retriever.search(query, self.k, None)
         asks_documents = DOCUMENT_WORDS.search(question) is not None
-        wanted = content_words(question)
+        wanted = content_words(query)
         passages = [add_hit(ledger, h) for h in hits if asks_documents or wanted & content_words(h.text)]
         where = ", ".join(dict.fromkeys(f"{p.doc} p. {p.page}" for p in passages)) or "nothing relevant"
-        return Prefetched("search_documents", {"query": question}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where)
+        return Prefetched("search_documents", {"query": query}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where)
