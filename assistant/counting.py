@@ -58,8 +58,12 @@ def section_items(text: str) -> list[str]:
 
 def counted_noun(question: str) -> str:
     """What a "how many X ..." question counts ("options"), or "items"."""
-    match = HOW_MANY.search(question)
-    return " ".join(match.group("noun").split()) if match else "items"
+    match = HOW_MANY.search(question) or re.search(r"\bhow many\s+(?P<noun>.+)$", question, re.I)
+    if not match:
+        return "items"
+    words = match.group("noun").rstrip("?.!").split()[:4]
+    plural = next((i for i, w in enumerate(words) if w.lower().endswith("s") and len(w) > 3), None)
+    return " ".join(words[: plural + 1] if plural is not None else words[:1])  # "rules decide…" -> "rules"
 
 
 def supported_items(items: Sequence[str], passages: Sequence[Passage]) -> list[tuple[str, int]]:

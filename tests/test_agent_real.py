@@ -176,3 +176,67 @@ def test_overflowing_history_is_summarised_by_the_model(models_dir, tmp_path):
     memory = orch.store.get_message(events[-1].message_id).meta["memory"]["summary"]
     assert "Ada" in memory  # the model wrote the summary of the dropped first turn
     assert "Ada" in events[-1].text
+
+
+def _ingested_assistant(tmp_path, models_dir, pages: list[str]):
+    _require_ingest()
+    from assistant.app import build_assistant
+    from ingest.pipeline import Ingester
+
+    config = _config(tmp_path, models_dir)
+    global PAGES
+    saved, PAGES = PAGES, pages
+    try:
+        pdf = _write_pdf(tmp_path / "zephyr_manual.pdf")
+    finally:
+        PAGES = saved
+    ingester = Ingester.from_config(config)
+    try:
+        assert [r.status for r in ingester.ingest([pdf])] == ["added"]
+    finally:
+        ingester.close()
+    return build_assistant(config)
+
+
+def test_a_count_question_is_answered_through_the_whole_section(models_dir, tmp_path):
+    """The options are counted over the whole section the question is about, not guessed by the model."""
+    cli_page = ("Command line\n\nInvoking zephyrctl\nzephyrctl controls the purifier from a terminal.\n"
+                "-f, --fan\nset the fan speed\n-n, --night\nturn on night mode\n-t, --timer\nswitch off after a delay\n"
+                "-s, --status\nprint the filter status\n-h, --help\ndisplay this help and exit\n"
+                "-v, --version\noutput version information and exit")
+    assistant = _ingested_assistant(tmp_path, models_dir, [*PAGES, cli_page])
+    try:
+        events = list(assistant.turn(None, "How many options does zephyrctl accept?"))
+    finally:
+        assistant.close()
+    started = [e for e in events if isinstance(e, ToolCallStarted)]
+    assert started and started[0].name == "read_section"
+    done = events[-1]
+    assert isinstance(done, Done) and done.text.startswith("There are 6 options")
+    assert "--timer" in done.text and "--version" in done.text
+    sources = next(e for e in events if isinstance(e, Sources)).sources
+    assert sources and all(s.page == 4 for s in sources)
+
+
+def test_the_same_question_twice_gets_the_same_answer_alone_or_batched(models_dir, tmp_path):
+    import threading
+
+    assistant = _ingested_assistant(tmp_path, models_dir, PAGES)
+    question = "What is the warranty period of the Zephyr X2?"
+    try:
+        first = list(assistant.turn(None, question))[-1].text
+        second = list(assistant.turn(None, question))[-1].text
+        batched: list[str] = []
+
+        def ask() -> None:
+            batched.append(list(assistant.turn(None, question))[-1].text)
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]  # the engine batches the two
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        assistant.close()
+    assert "7 years" in first
+    assert second == first and batched == [first, first]

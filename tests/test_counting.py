@@ -1,0 +1,105 @@
+"""Counting questions: the section's list found in code, each item cited; the prefetch paths that
+lead there (whole section for "how many", follow-ups searched with the previous question, whole
+files only for summarise/compare requests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from assistant.citations import SourceLedger
+from assistant.counting import count_answer, counted_noun, section_items, supported_items
+from tools.retrieval import DocumentPrefetch, RetrieverHandle, named_section, retrieval_query
+
+
+def test_a_markdown_table_counts_its_rows_not_its_header_or_rule():
+    text = "## Benchmarks\n\n| Name | Ratio |\n| --- | ----- |\n| zstd | 2.8 |\n| zlib | 2.7 |\n| lz4 | 2.1 |\n\nThe end."
+    assert section_items(text) == ["zstd | 2.8", "zlib | 2.7", "lz4 | 2.1"]
+
+
+def test_options_bullets_and_repeated_labels_are_list_forms():
+    options = "Usage: tool [OPTION]\n-b, --benchmark\nrun a benchmark\n-h, --help\nshow help\n-v, --version\nversion"
+    assert section_items(options) == ["-b, --benchmark", "-h, --help", "-v, --version"]
+    numbered = "1.2 New in this release\nChanges:\n1. SSH support.\n2. Old files removed.\nwrapped line\n3. D compiler."
+    assert section_items(numbered) == ["SSH support.", "Old files removed.", "D compiler."]  # "1.2 New..." is a heading
+    labels = "Return Codes\n[Return code]\nIDN2_OK\nSuccess.\n[Return code]\nIDN2_MALLOC\nNo memory."
+    assert section_items(labels) == ["IDN2_OK", "IDN2_MALLOC"]
+    assert section_items("Just prose about two things, text/plain and octet-stream.") == []
+
+
+def test_items_no_passage_holds_do_not_count_and_each_item_is_cited_where_it_is():
+    ledger = SourceLedger()
+    a = ledger.add("m.pdf", 10, "-b, --benchmark\n-s, --strict", "c1")
+    b = ledger.add("m.pdf", 11, "-h, --help", "c2")
+    items = supported_items(["-b, --benchmark", "-s, --strict", "-h, --help", "-x, --invented"], ledger.passages)
+    assert items == [("-b, --benchmark", a.marker), ("-s, --strict", a.marker), ("-h, --help", b.marker)]
+    answer = count_answer("How many options does asn1Decoding accept?", items)
+    assert answer.startswith("There are 3 options:") and "- -h, --help [2]" in answer and "invented" not in answer
+
+
+def test_counted_noun():
+    assert counted_noun("How many return codes are listed in the Return Codes section?") == "return codes"
+    assert counted_noun("How many rules decide a column's affinity?") == "rules"
+    assert counted_noun("Count them") == "items"
+
+
+@dataclass
+class Hit:
+    chunk_id: str
+    doc_id: str
+    path: str
+    page: int
+    heading: str
+    text: str
+
+
+@dataclass
+class Page:
+    doc_id: str
+    path: str
+    page: int
+    text: str
+
+
+class FakeRetriever:
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+        self.hits = [Hit("c1", "d1", "/docs/a.pdf", 3, "Options", "-a one\n-b two"),
+                     Hit("c2", "d1", "/docs/a.pdf", 7, "Return Codes", "[Return code]\nE1\n[Return code]\nE2")]
+
+    def search(self, query, k=None, filters=None):
+        self.queries.append(query)
+        return list(self.hits)
+
+    def section(self, hit, max_chars=8000):
+        return [Page(hit.doc_id, hit.path, hit.page, f"{hit.heading}\n{hit.text}")]
+
+    def read(self, doc, pages=None):
+        return [Page("d1", "/docs/a.pdf", 1, "whole page one"), Page("d1", "/docs/a.pdf", 2, "whole page two")]
+
+    def documents(self):
+        return [{"doc_id": "d1", "path": "/docs/a.pdf", "file_name": "a.pdf"}]
+
+
+def prefetch(retriever: FakeRetriever) -> DocumentPrefetch:
+    return DocumentPrefetch(RetrieverHandle(lambda: retriever), k=4)
+
+
+def test_a_counting_question_reads_the_section_it_names():
+    retriever = FakeRetriever()
+    ledger = SourceLedger()
+    found = prefetch(retriever)("How many codes does the Return Codes section list?", ledger)
+    assert found.tool == "read_section" and found.count and found.arguments["section"] == "Return Codes"
+    assert retriever.queries[0] == "Return Codes"  # the named section is searched by its name
+    assert [(p.page, p.heading) for p in ledger.passages] == [(7, "Return Codes")]
+    assert named_section("the 'New in this release' section") == "New in this release"
+
+
+def test_a_follow_up_is_searched_with_the_previous_question_and_whole_files_need_a_file_request():
+    assert retrieval_query("And what does it return?", ["What does asn1_get_length_der do?"]) == \
+        "What does asn1_get_length_der do? And what does it return?"
+    assert retrieval_query("Which flag allows padding?", ["What does asn1_get_length_der do?"]) == "Which flag allows padding?"
+    retriever = FakeRetriever()
+    found = prefetch(retriever)("Which function deletes a whole structure?", SourceLedger())
+    assert found.tool == "search_documents"  # "whole" alone is not a request to read whole files
+    found = prefetch(retriever)("Summarise a.pdf", SourceLedger())
+    assert found.tool == "read_document" and found.arguments == {"documents": ["a.pdf"]}
