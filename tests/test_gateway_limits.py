@@ -165,3 +165,24 @@ def test_redis_down_is_an_error_that_says_so():
 def test_reset_durations_read_like_openais():
     assert _duration(0.25) == "250ms" and _duration(6) == "6s" and _duration(360) == "6m0s"
     assert _duration(3723) == "1h2m3s"
+
+
+@pytest.mark.real
+def test_two_servers_on_one_redis_share_a_keys_limit(tmp_path, redis_url):
+    """Two apps (two replicas) with server.redis_url: one static key's 3 requests per minute in all."""
+    import redis
+    from fastapi.testclient import TestClient
+
+    from tests.gateway_fakes import USER, bearer, make_app
+
+    redis.Redis.from_url(redis_url).flushdb()
+    settings = dict(redis_url=redis_url, api_keys="shared-key", tiers={"free": {"rpm": 3}})
+    _, _, app_a = make_app(tmp_path / "a", *["ok"] * 4, **settings)
+    _, _, app_b = make_app(tmp_path / "b", *["ok"] * 4, **settings)
+    a, b = TestClient(app_a), TestClient(app_b)
+    body = {"messages": [USER], "max_tokens": 4}
+    statuses = [client.post("/v1/chat/completions", json=body, headers=bearer("shared-key")).status_code
+                for client in (a, b, a, b)]
+    assert statuses == [200, 200, 200, 429]
+    app_a.state.gateway.close()
+    app_b.state.gateway.close()

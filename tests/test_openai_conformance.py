@@ -252,3 +252,16 @@ def test_the_sdk_against_the_real_model(real_client):
     assert [(r.model, r.status) for r in rows][1:3] == [(model, "tool_calls")] * 2
     assert rows[-1].model == "all-minilm-l6-v2" and rows[-1].prompt_tokens == emb.usage.prompt_tokens
     assert len(rows) == 5 and sum(r.completion_tokens for r in rows) > 10
+
+
+def test_template_messages_turn_string_arguments_into_objects_and_mark_a_prefix():
+    from assistant.engine.loading import template_messages
+
+    sent = [USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "content": "2"}, {"role": "assistant", "content": "{", "prefix": True}]
+    messages, prefixed = template_messages(sent)
+    assert prefixed and "prefix" not in messages[-1]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the caller's copy is untouched
+    assert template_messages([USER]) == ([USER], False)

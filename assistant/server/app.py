@@ -14,6 +14,7 @@ app's `Assistant` (assistant/app.py) and closes it on the way out.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from assistant.config import AssistantConfig
@@ -68,6 +69,7 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
     gateway = None
     try:
         check_bind(config.server.host, Authenticator.from_config(config, assistant.keys))
+        _log_access_to(Path(config.data_dir) / "logs" / "access.jsonl")
         gateway = Gateway.from_assistant(assistant)
         app = create_app(assistant, gateway=gateway)
         base = f"http://{config.server.host}:{config.server.port}"
@@ -79,6 +81,21 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
             gateway.close()
         assistant.close()
         print("Stopped.", flush=True)
+
+
+def _log_access_to(path: Path) -> None:
+    """One JSON line per request (id, trace, route, status, latency, key id; middleware.py) in the data dir."""
+    import logging
+
+    logger = logging.getLogger("assistant.access")
+    if any(getattr(h, "baseFilename", None) == str(path.resolve()) for h in logger.handlers):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def register(subparsers: Any, add_common: Any) -> None:
