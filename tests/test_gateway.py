@@ -139,7 +139,7 @@ def test_usage_ledger_rows_per_request_and_key(tmp_path):
 
 
 def test_a_cancelled_stream_records_its_partial_usage(tmp_path):
-    engine = GatedEngine(num_tokens=50)
+    engine = GatedEngine(num_tokens=200)
     assistant, _, app = make_app(tmp_path, engine=engine)
     with serve_in_thread(app, timeout_s=20) as url:
         with httpx.stream("POST", f"{url}{CHAT}", json={"messages": [USER], "stream": True}, timeout=30) as r:
@@ -152,13 +152,15 @@ def test_a_cancelled_stream_records_its_partial_usage(tmp_path):
                     seen += 1
                     if seen == 3:
                         break
-        engine.open_all()  # whatever runs on ends quickly
         deadline = time.monotonic() + 20
+        while not engine.closed.is_set() and time.monotonic() < deadline:
+            engine.step.release()  # one token at a time, until the server notices the client is gone
+            time.sleep(0.05)
         while not assistant.usage.rows() and time.monotonic() < deadline:
             time.sleep(0.05)
     (row,) = assistant.usage.rows()
     assert engine.closed.is_set()  # the engine request was cancelled, not run to its end
-    assert row.status == "cancelled" and 3 <= row.completion_tokens < 50 and row.prompt_tokens == 3
+    assert row.status == "cancelled" and 3 <= row.completion_tokens < 100 and row.prompt_tokens == 3
 
 
 def test_a_full_queue_is_refused_at_once_with_retry_after(tmp_path):

@@ -17,9 +17,10 @@ import time
 import uuid
 from typing import Any, Iterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from assistant.server.completions import chunk, error_body, finish_reason
+from assistant.server.streaming import ClosingStreamingResponse
 
 ASSISTANT_MODEL = "assistant"  # the model id that runs the full assistant turn
 
@@ -101,7 +102,7 @@ def assistant_completion(assistant: Any, messages: list[dict], params: Any, stre
                 if close is not None:
                     close()
                 tally.finish(ticket, failed)
-        return StreamingResponse(chunks(), media_type="text/event-stream", headers=headers)
+        return ClosingStreamingResponse(chunks(), media_type="text/event-stream", headers=headers)
     sources: list[dict] = []
     done = None
     try:

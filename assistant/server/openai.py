@@ -29,7 +29,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from assistant.engine.base import Engine
@@ -39,6 +39,7 @@ from assistant.server.auth import UNAUTHORIZED
 from assistant.server.completions import Shape, drain, error_body, message_of, sse, status_of, usage_of
 from assistant.server.gateway import Gateway, Refusal, Ticket
 from assistant.server.schemas import MAX_TOKENS_DEFAULT, RequestError, parse_chat_request, parse_embeddings_request
+from assistant.server.streaming import ClosingStreamingResponse
 
 log = logging.getLogger(__name__)
 __all__ = ["ASSISTANT_MODEL", "MAX_TOKENS_DEFAULT", "create_api", "error_body"]
@@ -186,7 +187,7 @@ async def _raw_completion(engine: Engine, req: Any, params: Any, model: str, tic
                             ledger="error")
     if req.stream:
         started = getattr(request.state, "started", None)
-        return StreamingResponse(sse(deltas, shape, req.include_usage, ticket, gateway.metrics, started),
+        return ClosingStreamingResponse(sse(deltas, shape, req.include_usage, ticket, gateway.metrics, started),
                                  media_type="text/event-stream", headers=ticket.headers)
     try:  # the drain waits for every token: in the threadpool, never on the event loop
         text, last = await run_in_threadpool(drain, deltas)

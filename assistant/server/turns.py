@@ -22,13 +22,14 @@ import threading
 from typing import Any, Iterator
 
 from fastapi import APIRouter, Depends, HTTPException, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from assistant.errors import AssistantError, StoreError
 from assistant.events import TurnEvent, TurnStarted
 from assistant.server.auth import key_checker
+from assistant.server.streaming import ClosingStreamingResponse
 
 
 class TurnRequest(BaseModel):
@@ -96,7 +97,7 @@ def create_turn_routes(assistant: Any, api_keys: tuple[str, ...] = (), gateway: 
             await run_in_threadpool(gateway.claim, principal, "conversation", conversation_id)
         cancel = threading.Event()
         events = assistant.turn(conversation_id, body.text, params=params, cancel=cancel)
-        return StreamingResponse(_stream(events, running, cancel, ticket, gateway.metrics),
+        return ClosingStreamingResponse(_stream(events, running, cancel, ticket, gateway.metrics),
                                  media_type="text/event-stream", headers=ticket.headers)
 
     @router.post("/turns/{message_id}/cancel")
