@@ -6,11 +6,12 @@ BIN       := $(VENV)/bin
 PIP       := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP     := $(VENV)/.installed
 DATA_DIR  ?= ./data
-EXTRAS    := engine,ui,ingest,sandbox,postgres,test
+EXTRAS    := engine,ui,ingest,sandbox,postgres,gateway,test
 # Debian packages the product and its tests use (installed only when running as root and missing):
 # Tesseract for OCR, PostgreSQL server binaries for the store test on a real (throwaway) server,
-# g++ and Python headers for the engine's int8 decode kernel (built once into ~/.cache/assistant/native).
-APT_PACKAGES := tesseract-ocr tesseract-ocr-eng postgresql g++ python3-dev
+# g++ and Python headers for the engine's int8 decode kernel (built once into ~/.cache/assistant/native),
+# redis-server for the shared rate-limit test on a real (throwaway) Redis.
+APT_PACKAGES := tesseract-ocr tesseract-ocr-eng postgresql g++ python3-dev redis-server
 SHELL     := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 QUIET     := { grep -v '^WARNING: Location' || true; }

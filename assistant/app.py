@@ -9,7 +9,8 @@ and uses only its facade:
     assistant.turn(conversation_id, UserInput | str)  -> Iterator[TurnEvent]   (and regenerate, edit)
     assistant.conversations   list / history / rename / delete / export / branches / switch
     assistant.documents       ingest / list / delete
-    assistant.models          ids / generate (raw completions for /v1) / count_tokens
+    assistant.models          ids / generate (raw completions for /v1) / count_tokens / embed
+    assistant.keys · owners · usage   API keys, who owns what, the usage ledger (the gateway's tables)
 
 Nothing outside this module reaches into `.engine`, `.store` or the retriever.
 """
@@ -26,10 +27,12 @@ from assistant.config import AssistantConfig
 from assistant.engine.base import Engine, Message, SamplingParams, TokenDelta
 from assistant.errors import AssistantError, ConfigError
 from assistant.events import ToolCallFinished, ToolCallStarted, TurnEvent
+from assistant.keys import Keys, Owners
 from assistant.orchestrator import Orchestrator
 from assistant.routing import Router
 from assistant.seams import Attachment, InputGuard, PreStage, StreamTransformer, UserInput
 from assistant.store import Conversation, Store, StoredMessage
+from assistant.usage import UsageLedger
 
 
 class Conversations:
@@ -139,6 +142,23 @@ class Models:
     def context_window(self) -> int:
         return self._router.context_window
 
+    @property
+    def embedding_model(self) -> str | None:
+        """The embedder's id (retrieval.embedder) when ingest/ is installed, else None."""
+        try:
+            import ingest.embed  # noqa: F401
+        except ImportError:
+            return None
+        return self._config.retrieval.embedder
+
+    def embed(self, texts: Sequence[str]) -> tuple[Any, int]:
+        """(N, dim) float32 unit vectors of `texts` with the configured embedder, and their token count."""
+        from ingest.embed import load_embedder
+
+        embedder = load_embedder(self._config.retrieval.embedder, lazy=True)
+        vectors = embedder.embed(list(texts))
+        return vectors, sum(len(embedder.tokenize(t)) for t in texts)
+
 
 @dataclass
 class Assistant:
@@ -149,6 +169,9 @@ class Assistant:
     conversations: Conversations
     documents: Documents
     models: Models
+    keys: Keys | None = None  # API keys (hashed) in the store's database; None only for hand-built facades
+    owners: Owners | None = None  # which key created which conversation
+    usage: UsageLedger | None = None  # one row per API request
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def turn(self, conversation_id: str | None, user_input: UserInput | str, *, params: SamplingParams | None = None,
@@ -234,7 +257,9 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
         for close in reversed(closers):
             close()
         raise
-    return Assistant(config, orchestrator, Conversations(store), documents, Models(config, router), closers)
+    return Assistant(config, orchestrator, Conversations(store), documents, Models(config, router),
+                     keys=Keys(store.db, tuple(config.server.tiers)), owners=Owners(store.db),
+                     usage=UsageLedger(store.db), _closers=closers)
 
 
 def _router(config: AssistantConfig, engine: Engine) -> Router:

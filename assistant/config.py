@@ -61,10 +61,43 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class TierConfig:
+    """What an API key of one tier may do (`[server.tiers.NAME]`); 0 = no limit."""
+
+    models: str = "*"  # comma-separated model ids this tier may use; "*" = every model
+    rpm: int = 0  # requests per minute (token bucket: bursts up to rpm, refilled evenly)
+    tpm: int = 0  # tokens (prompt + completion) per minute, same bucket shape
+    daily_tokens: int = 0  # tokens per UTC day
+    safety_policy: str = "default"  # name of the safety policy applied to this tier's turns
+    priority: int = 0  # admission order when the engine queue is contended: higher goes first
+
+
+def _default_tiers() -> dict[str, TierConfig]:
+    return {"free": TierConfig(rpm=20, tpm=20_000, daily_tokens=200_000, priority=0),
+            "paid": TierConfig(rpm=600, tpm=400_000, daily_tokens=0, priority=10)}
+
+
+@dataclass(frozen=True)
+class PriceConfig:
+    """Price of one model's tokens (`[server.prices."MODEL"]`), in any currency, per million tokens."""
+
+    prompt: float = 0.0  # per 1M uncached prompt tokens
+    cached: float = 0.0  # per 1M prompt tokens served from the prefix cache
+    completion: float = 0.0  # per 1M generated tokens
+
+
+@dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 exposes the chat to the network
+    host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 exposes the chat to the network (needs keys)
     port: int = 7860  # web chat (and /v1 API) port
-    api_keys: str = ""  # comma-separated keys for the /v1 API; "" = no key needed (bind to 127.0.0.1 then!)
+    api_keys: str = ""  # static comma-separated keys (tier `default_tier`); prefer `assistant keys create`
+    default_tier: str = "free"  # tier of the static api_keys
+    tiers: dict[str, TierConfig] = field(default_factory=_default_tiers)  # tier name -> limits
+    prices: dict[str, PriceConfig] = field(default_factory=dict)  # model id -> price, for `assistant usage`
+    redis_url: str = ""  # "" = rate limits in process; redis://host:6379/0 = shared by every replica
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies are refused (413) before they are read
+    max_running: int = 16  # generations the gateway lets run at once (keep >= engine.max_num_seqs)
+    max_queued: int = 64  # requests waiting for a running slot; beyond that: 503 + Retry-After at once
 
 
 @dataclass(frozen=True)
@@ -184,6 +217,21 @@ class AssistantConfig:
             raise ConfigError(f"engine.max_context_tokens={e.max_context_tokens} must be >= 0 (0 = model's window).")
         if not 0 < s.port < 65536:
             raise ConfigError(f"server.port={s.port} is out of range: pick a port between 1 and 65535, e.g. 7860.")
+        if s.default_tier not in s.tiers:
+            raise ConfigError(f"server.default_tier={s.default_tier!r} is not a tier: define [server.tiers.{s.default_tier}] "
+                              f"or use one of {', '.join(sorted(s.tiers))}.")
+        for name, tier in s.tiers.items():
+            for limit in ("rpm", "tpm", "daily_tokens"):
+                if getattr(tier, limit) < 0:
+                    raise ConfigError(f"server.tiers.{name}.{limit}={getattr(tier, limit)} must be >= 0 (0 = no limit).")
+        for model, price in s.prices.items():
+            if min(price.prompt, price.cached, price.completion) < 0:
+                raise ConfigError(f"server.prices.{model!r}: prices must be >= 0.")
+        if s.redis_url and not s.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"server.redis_url={s.redis_url!r}: use redis://host:6379/0 (or \"\" for in-process limits).")
+        for name in ("max_body_bytes", "max_running", "max_queued"):
+            if getattr(s, name) < 1:
+                raise ConfigError(f"server.{name}={getattr(s, name)} must be at least 1.")
         if self.sandbox.runtime not in ("runc", "runsc"):
             raise ConfigError(f"sandbox.runtime={self.sandbox.runtime!r}: use runc (default) or runsc (gVisor).")
         sb = self.sandbox
@@ -262,13 +310,29 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if typing.get_origin(hint) is dict and dataclasses.is_dataclass(typing.get_args(hint)[1]):
+            kwargs[name] = _build_table(typing.get_args(hint)[1], value, f"{where}{name}")
+        elif dataclasses.is_dataclass(hint):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"Setting {where}{name!r} must be a table/section, got {value!r}.")
             kwargs[name] = _build(hint, value, where=f"{where}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{where}{name}")
     return cls(**kwargs)
+
+
+def _build_table(cls: type, value: Any, where: str) -> dict[str, Any]:
+    """A table of named sections, e.g. [server.tiers.free]; from the environment, a JSON object."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"Setting {where} must be a JSON object like {{\"free\": {{\"rpm\": 20}}}}: {e}") from e
+    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
+        raise ConfigError(f"Setting {where} must be a table of tables, e.g. [{where}.NAME], got {value!r}.")
+    return {str(k): _build(cls, v, where=f"{where}.{k}.") for k, v in value.items()}
 
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:

@@ -53,7 +53,7 @@ def test_stop_and_max_tokens_are_forwarded(server):
 def test_non_streaming_and_auth(server):
     engine, url = server
     engine.add("Paris.")
-    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "x", "messages": MESSAGES},
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "test-model", "messages": MESSAGES},
                    headers={"Authorization": "Bearer sekret"})
     body = r.json()
     assert r.status_code == 200 and body["choices"][0]["message"]["content"] == "Paris."

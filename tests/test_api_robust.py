@@ -144,7 +144,7 @@ def test_valid_requests_keep_working(scripted):
     turn = [USER, {"role": "assistant", "content": None, "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "python", "arguments": '{"code": "1+1"}'}}]},
             {"role": "tool", "name": "python", "tool_call_id": "c1", "content": "2"}]
-    r = client.post("/v1/chat/completions", json={"model": "m", "messages": turn, "tools": tools, "stop": ["a", "b"]})
+    r = client.post("/v1/chat/completions", json={"model": "test-model", "messages": turn, "tools": tools, "stop": ["a", "b"]})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "two"
     assert engine.prompts[-1][1] == {"role": "assistant", "content": "", "tool_calls": turn[1]["tool_calls"]}
     assert engine.prompts[-1][2] == turn[2] and engine.tools_seen[-1] == tools

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant"|"tool", "content": str, ...}
+# A final assistant message with PREFIX set to True is continued, not answered: the model writes on
+# from its content (how the API forces a tool call or a JSON object). Engines drop the flag.
+PREFIX = "prefix"
 Prompt = Sequence[Message] | Sequence[int]
 
 

@@ -147,9 +147,38 @@ class ChatTemplateEncoding:
     def encode(self, prompt: Sequence[Any], tools: Sequence[dict] | None = None) -> list[int]:
         if prompt and isinstance(prompt[0], int):
             return list(prompt)
+        messages, prefixed = template_messages(prompt)
         rendered = self.tokenizer.apply_chat_template(
-            list(prompt), tools=list(tools) if tools else None, add_generation_prompt=True, tokenize=False)
+            messages, tools=list(tools) if tools else None, add_generation_prompt=not prefixed,
+            continue_final_message=prefixed, tokenize=False)
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     def count_tokens(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None) -> int:
         return len(self.encode(messages, tools))
+
+
+def template_messages(prompt: Sequence[dict]) -> tuple[list[dict], bool]:
+    """Messages as chat templates want them, and whether the last one is a prefix to continue
+    (engine/base.py PREFIX). Tool-call arguments sent as a JSON string (OpenAI's wire format) become
+    objects: templates render them with `tojson`, which would quote the string a second time."""
+    import json
+
+    from assistant.engine.base import PREFIX
+
+    out = []
+    for message in prompt:
+        message = {k: v for k, v in message.items() if k != PREFIX}
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function", call))
+                if isinstance(function.get("arguments"), str):
+                    try:
+                        function["arguments"] = json.loads(function["arguments"])
+                    except json.JSONDecodeError:
+                        pass  # not JSON: rendered as the model would have seen it
+                calls.append({**call, "function": function} if "function" in call else function)
+            message["tool_calls"] = calls
+        out.append(message)
+    prefixed = bool(prompt) and prompt[-1].get("role") == "assistant" and bool(prompt[-1].get(PREFIX))
+    return out, prefixed

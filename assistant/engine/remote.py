@@ -15,7 +15,8 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from assistant.config import AssistantConfig
-from assistant.engine.base import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Engine, Message, Prompt, SamplingParams, TokenDelta
+from assistant.engine.base import (FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, PREFIX, Engine, Message, Prompt,
+                                    SamplingParams, TokenDelta)
 from assistant.errors import EngineBusy, EngineError
 
 CHARS_PER_TOKEN = 4
@@ -72,6 +73,9 @@ class RemoteEngine(Engine):
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = params.seed
+        if prompt and prompt[-1].get(PREFIX):  # continue the final assistant message (vLLM's extension)
+            body["messages"] = [{k: v for k, v in m.items() if k != PREFIX} for m in prompt]
+            body.update(continue_final_message=True, add_generation_prompt=False)
         if tools:
             body["tools"] = list(tools)
         try:

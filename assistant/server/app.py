@@ -1,16 +1,20 @@
 """The server app: one FastAPI application; every route group is declared in `create_app`.
 
-    /v1/...          OpenAI-compatible API over the raw models (assistant/server/openai.py)
+    /v1/...          OpenAI-compatible API: chat completions, models, embeddings (assistant/server/openai.py)
     /api/turns ...   the full assistant turn as server-sent TurnEvents (assistant/server/turns.py)
+    /metrics         Prometheus metrics (assistant/server/metrics.py)
     /                the Gradio web chat (ui/gradio_app.py), mounted last
 
-Each concern of the gateway (keys: auth.py; later limits, usage, metrics) is one module here. The
-server owns no component: `serve(config)` builds the app's `Assistant` (assistant/app.py) and closes
-it on the way out.
+A feature adds its routes here, as one more `include_router`. Each concern of the gateway is one
+module: keys (auth.py), rate limits (limits.py, redis_limits.py), admission (admission.py), the
+request lifecycle and usage ledger (gateway.py), request ids / trace context / the body limit
+(middleware.py), metrics (metrics.py). The server owns no component: `serve(config)` builds the
+app's `Assistant` (assistant/app.py) and closes it on the way out.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from assistant.config import AssistantConfig
@@ -18,18 +22,28 @@ from assistant.config import AssistantConfig
 TITLE = "Offline Assistant"
 
 
-def create_app(assistant: Any, *, web_chat: bool = True) -> Any:
+def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) -> Any:
     """One ASGI app over an Assistant: the API routes, then the web chat at /."""
-    from fastapi import FastAPI
+    from fastapi import FastAPI, Response
 
+    from assistant.server.gateway import Gateway
+    from assistant.server.middleware import GatewayMiddleware
     from assistant.server.openai import create_api
     from assistant.server.turns import create_turn_routes
 
-    config = assistant.config
+    gateway = gateway or Gateway.from_assistant(assistant)
     app = FastAPI(title=TITLE)
+    app.state.gateway = gateway
+    app.add_middleware(GatewayMiddleware, max_body_bytes=gateway.max_body_bytes, metrics=gateway.metrics)
     app.include_router(create_api(assistant.models.engine(), model_name=assistant.models.default,
-                                  api_keys=config.api_keys, assistant=assistant))
-    app.include_router(create_turn_routes(assistant, config.api_keys))
+                                  assistant=assistant, gateway=gateway))
+    app.include_router(create_turn_routes(assistant, gateway=gateway))
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        body, content_type = gateway.metrics.render()
+        return Response(body, media_type=content_type)
+
     if not web_chat:
         return app
     import gradio as gr
@@ -46,19 +60,42 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
     import uvicorn
 
     from assistant.app import build_assistant
+    from assistant.server.auth import Authenticator, check_bind
+    from assistant.server.gateway import Gateway
 
     if assistant is None:
         print(f"Loading model {config.engine.model}...", flush=True)
         assistant = build_assistant(config)
+    gateway = None
     try:
-        app = create_app(assistant)
+        check_bind(config.server.host, Authenticator.from_config(config, assistant.keys))
+        _log_access_to(Path(config.data_dir) / "logs" / "access.jsonl")
+        gateway = Gateway.from_assistant(assistant)
+        app = create_app(assistant, gateway=gateway)
         base = f"http://{config.server.host}:{config.server.port}"
         print(f"Web chat on {base}  ·  OpenAI-compatible API on {base}/v1  (Ctrl-C to stop)", flush=True)
         uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning",
                     timeout_graceful_shutdown=3)  # open streams (browser tabs) must not block Ctrl-C
     finally:
+        if gateway is not None:
+            gateway.close()
         assistant.close()
         print("Stopped.", flush=True)
+
+
+def _log_access_to(path: Path) -> None:
+    """One JSON line per request (id, trace, route, status, latency, key id; middleware.py) in the data dir."""
+    import logging
+
+    logger = logging.getLogger("assistant.access")
+    if any(getattr(h, "baseFilename", None) == str(path.resolve()) for h in logger.handlers):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def register(subparsers: Any, add_common: Any) -> None:

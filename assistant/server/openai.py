@@ -1,39 +1,48 @@
-"""OpenAI-compatible HTTP API over any Engine: /v1/models and /v1/chat/completions (SSE streaming).
+"""OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions (SSE streaming), /v1/embeddings.
 
 Stateless like OpenAI's: the client sends the whole conversation. Streaming and non-streaming share
-one code path (non-streaming drains the same delta iterator). If `server.api_keys` is set, every
-request needs `Authorization: Bearer <key>`. A client that disconnects mid-stream cancels its request
-in the engine (the streaming generator is closed, which frees its KV slot within one step).
+one code path (non-streaming drains the same delta iterator; completions.py shapes both, tool calls
+included). The model id `assistant` runs the full turn instead (assistant_model.py).
+
+Every request goes through the gateway (gateway.py): key -> Principal (401), model known and allowed
+for the key's tier (404), rate limits (429 + Retry-After + x-ratelimit-*), a running slot (503 +
+Retry-After when the queue is full), and, when it ends, the usage ledger. A client that disconnects
+mid-stream cancels its request in the engine (the streaming generator is closed, which frees its KV
+slot within one step) and its partial usage is recorded.
 
 Robustness rules (the web chat shares this event loop, and one engine step serves many requests):
   * Requests are validated completely at the boundary (server/schemas.py): a client mistake is an
-    HTTP 400 in OpenAI's error shape, never a 500 and never something the engine thread sees.
+    HTTP 4xx in OpenAI's error shape, never a 500 and never something the engine thread sees. The
+    body size limit is enforced before the body is read (middleware.py).
   * Nothing that can block runs on the event loop: `engine.generate` (chat template, tokenising,
-    submitting) and the non-streaming drain run in the threadpool; streams are iterated there too.
+    submitting), the non-streaming drain, embedding and database writes run in the threadpool.
   * Chat-template errors (jinja raising for a message order the model does not support) surface from
     `engine.generate` before the request reaches the engine thread and become a 400 as well.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import base64
 import logging
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from assistant.engine.base import Engine, TokenDelta
+from assistant.engine.base import Engine
 from assistant.errors import AssistantError, EngineBusy
-from assistant.server.auth import key_ok
-from assistant.server.schemas import MAX_TOKENS_DEFAULT, RequestError, parse_chat_request  # noqa: F401
+from assistant.server.assistant_model import ASSISTANT_MODEL, assistant_completion
+from assistant.server.auth import UNAUTHORIZED
+from assistant.server.completions import Shape, drain, error_body, message_of, sse, status_of, usage_of
+from assistant.server.gateway import Gateway, Refusal, Ticket
+from assistant.server.schemas import MAX_TOKENS_DEFAULT, RequestError, parse_chat_request, parse_embeddings_request
+from assistant.server.streaming import ClosingStreamingResponse
 
 log = logging.getLogger(__name__)
-ASSISTANT_MODEL = "assistant"  # the model id that runs the full assistant turn
+__all__ = ["ASSISTANT_MODEL", "MAX_TOKENS_DEFAULT", "create_api", "error_body"]
 
 try:  # transformers renders chat templates with jinja2; engines without it never raise this
     from jinja2 import TemplateError
@@ -42,173 +51,160 @@ except ImportError:  # pragma: no cover
         pass
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status)
+           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
 
 
-def _chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None) -> str:
-    body = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-    return f"data: {json.dumps(body)}\n\n"
+def _refused(refusal: Refusal) -> JSONResponse:
+    return _error(refusal.status, refusal.message, refusal.type, None, refusal.code, refusal.headers)
 
 
-def _finish(reason: str | None) -> str | None:
-    return {"cancelled": "stop"}.get(reason or "", reason)
+def _unknown_model(model: str) -> JSONResponse:
+    return _error(404, f"The model `{model}` does not exist or you do not have access to it: see GET /v1/models.",
+                  param="model", code="model_not_found")
 
 
-def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (), assistant: Any = None) -> APIRouter:
-    """/v1 over `engine` (the raw model `model_name`); with `assistant`, the model id `assistant`
-    runs the full turn (retrieval, tools, citations, the store) over the sent messages."""
+def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (), assistant: Any = None,
+               gateway: Gateway | None = None) -> APIRouter:
+    """/v1 over `engine` (the raw model `model_name`); with `assistant`, every chat model it has, the
+    model id `assistant` (the full turn) and the embedder. `gateway` carries keys, limits, admission,
+    the ledger and metrics; without one, only the static `api_keys` are checked."""
     router = APIRouter(prefix="/v1")
+    gateway = gateway or Gateway.from_keys(api_keys)
+    chat_models = list(dict.fromkeys([model_name, *(assistant.models.ids() if assistant is not None else [])]))
+    embedding_model = assistant.models.embedding_model if assistant is not None else None
 
-    def denied(request: Request) -> JSONResponse | None:
-        if key_ok(request, api_keys):
-            return None
-        return _error(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+    def model_ids() -> list[str]:
+        return chat_models + ([ASSISTANT_MODEL] if assistant is not None else []) + (
+            [embedding_model] if embedding_model else [])
+
+    def engine_for(model: str) -> Engine:
+        return engine if assistant is None or model == model_name else assistant.models.engine(model)
+
+    def who(request: Request) -> Any:
+        principal = gateway.principal(request)
+        return principal if principal is not None else _error(401, UNAUTHORIZED, code="invalid_api_key")
+
+    def listing(model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": 0, "owned_by": "local"}
 
     @router.get("/models")
     def models(request: Request) -> Any:
-        if (refusal := denied(request)) is not None:
-            return refusal
-        ids = [model_name] + ([ASSISTANT_MODEL] if assistant is not None else [])
-        return {"object": "list", "data": [{"id": i, "object": "model", "owned_by": "local"} for i in ids]}
+        principal = who(request)
+        if isinstance(principal, JSONResponse):
+            return principal
+        return {"object": "list", "data": [listing(m) for m in model_ids() if principal.may_use(m)]}
+
+    @router.get("/models/{model:path}")
+    def model(model: str, request: Request) -> Any:
+        principal = who(request)
+        if isinstance(principal, JSONResponse):
+            return principal
+        return listing(model) if model in model_ids() and principal.may_use(model) else _unknown_model(model)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        if (refusal := denied(request)) is not None:
-            return refusal
+        principal = who(request)
+        if isinstance(principal, JSONResponse):
+            return principal
+        raw = await request.body()
         try:
-            req = parse_chat_request(await request.body())
+            req = parse_chat_request(raw)
             params = req.sampling_params()
         except RequestError as e:
             return _error(400, e.message, param=e.param)
         except ValueError as e:  # SamplingParams.verify: unreachable after the schema, kept as a guard
             return _error(400, str(e))
-        if assistant is not None and req.model == ASSISTANT_MODEL:
-            return await run_in_threadpool(assistant_completion, assistant, req.engine_messages(), params, req.stream)
-        try:  # the chat template and tokenising run here: off the event loop
-            deltas = await run_in_threadpool(engine.generate, req.engine_messages(), params, tools=req.engine_tools())
-        except EngineBusy as e:
-            return _error(503, str(e), "overloaded")
-        except TemplateError as e:
-            return _error(400, f"The model's chat template cannot render these messages: {e}", param="messages")
-        except (AssistantError, ValueError) as e:  # prompt too long, empty, ...: the request's fault
-            return _error(400, str(e))
-        except Exception as e:  # ours: say so in the API's shape, keep the details in the log
-            log.exception("engine.generate failed")
-            return _error(500, f"The server failed to start generating: {type(e).__name__}: {e}", "server_error")
-        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        if req.stream:
-            return StreamingResponse(_sse(deltas, cid, model_name, req.include_usage), media_type="text/event-stream")
-        try:  # the drain waits for every token: in the threadpool, never on the event loop
-            text, last = await run_in_threadpool(_drain, deltas)
-        except EngineBusy as e:
-            return _error(503, str(e), "overloaded")
-        except ValueError as e:  # an engine that validates lazily (on first iteration)
-            return _error(400, str(e))
+        model = req.model or model_name
+        if model not in chat_models + ([ASSISTANT_MODEL] if assistant is not None else []) or not principal.may_use(model):
+            return _unknown_model(model)
+        ticket = await gateway.admit(request, principal, model, len(raw) // 4 + params.max_tokens)
+        if isinstance(ticket, Refusal):
+            return _refused(ticket)
+        try:
+            if model == ASSISTANT_MODEL:
+                return await run_in_threadpool(assistant_completion, assistant, req.engine_messages(), params,
+                                               req.stream, ticket=ticket, gateway=gateway, metrics=gateway.metrics)
+            return await _raw_completion(engine_for(model), req, params, model, ticket, gateway, request)
+        except BaseException:
+            await run_in_threadpool(ticket.finish, "error")  # no-op when the response already finished it
+            raise
+
+    @router.post("/embeddings")
+    async def embeddings(request: Request) -> Any:
+        principal = who(request)
+        if isinstance(principal, JSONResponse):
+            return principal
+        raw = await request.body()
+        try:
+            req = parse_embeddings_request(raw)
+        except RequestError as e:
+            return _error(400, e.message, param=e.param)
+        if not embedding_model or req.model != embedding_model or not principal.may_use(req.model):
+            return _unknown_model(req.model)
+        ticket = await gateway.admit(request, principal, req.model, len(raw) // 4)
+        if isinstance(ticket, Refusal):
+            return _refused(ticket)
+        try:
+            vectors, num_tokens = await run_in_threadpool(assistant.models.embed, req.texts)
         except AssistantError as e:
+            await run_in_threadpool(ticket.finish, "error")
             return _error(500, str(e), "server_error")
-        except Exception as e:
-            log.exception("generation failed")
-            return _error(500, f"Generation failed: {type(e).__name__}: {e}", "server_error")
-        return {
-            "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": _finish(last.finish_reason)}],
-            "usage": _usage(last),
-        }
+        await run_in_threadpool(ticket.finish, "ok", num_tokens, 0, 0)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
+                 else [float(x) for x in v]} for i, v in enumerate(vectors)]
+        return JSONResponse({"object": "list", "data": data, "model": req.model,
+                             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}},
+                            headers=ticket.headers)
 
     return router
 
 
-def assistant_completion(assistant: Any, messages: list[dict], params: Any, stream: bool) -> Any:
-    """A stateless assistant turn: the sent messages before the last user message become a new stored
-    conversation's history, the last one is the turn. The answer comes in OpenAI's shape with two
-    extra fields OpenAI clients ignore: `sources` (verified citations) and `conversation_id`."""
-    from assistant.events import Done, Error, Sources, TextDelta
-
-    *history, last = messages
-    if last.get("role") != "user" or not str(last.get("content") or "").strip():
-        return _error(400, "The model `assistant` answers a conversation that ends with a user message.",
-                      param="messages")
-    conversation_id = assistant.conversations.start(history, title=str(last["content"])[:60])
-    events = assistant.turn(conversation_id, str(last["content"]), params=params)
+async def _raw_completion(engine: Engine, req: Any, params: Any, model: str, ticket: Ticket, gateway: Gateway,
+                          request: Request) -> Any:
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    if stream:
-        def chunks() -> Iterator[str]:
-            yield _chunk(cid, ASSISTANT_MODEL, {"role": "assistant", "content": ""}, None)
-            for event in events:
-                if isinstance(event, TextDelta):
-                    yield _chunk(cid, ASSISTANT_MODEL, {"content": event.text}, None)
-                elif isinstance(event, Error):
-                    yield f"data: {json.dumps(error_body(event.message, 'server_error'))}\n\n"
-                elif not isinstance(event, Done):  # sources, tool steps, ...: extra events clients ignore
-                    yield f"event: assistant.{event.type}\ndata: {json.dumps(event.to_dict(), default=str)}\n\n"
-                else:
-                    yield _chunk(cid, ASSISTANT_MODEL, {}, _finish(event.finish_reason))
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(chunks(), media_type="text/event-stream")
-    sources: list[dict] = []
-    done = None
-    for event in events:
-        if isinstance(event, Sources):
-            sources = [dataclasses.asdict(s) for s in event.sources]
-        elif isinstance(event, Done):
-            done = event
-    if done is None or done.finish_reason == "error":
-        return _error(500, "The assistant turn failed; see the server log.", "server_error")
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": ASSISTANT_MODEL,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                         "finish_reason": _finish(done.finish_reason)}],
-            "sources": sources, "conversation_id": done.conversation_id}
+    shape = Shape.of(req, cid, model)
 
+    async def refuse(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                     ledger: str = "invalid", headers: dict[str, str] | None = None) -> JSONResponse:
+        await run_in_threadpool(ticket.finish, ledger)
+        return _error(status, message, type_, param, headers={**ticket.headers, **(headers or {})})
 
-def _drain(deltas: Iterator[TokenDelta]) -> tuple[str, TokenDelta]:
-    text, last = [], TokenDelta("")
-    try:
-        for last in deltas:
-            text.append(last.text)
-    finally:
-        close = getattr(deltas, "close", None)
-        if close:
-            close()
-    return "".join(text), last
-
-
-def _usage(last: TokenDelta) -> dict[str, Any]:
-    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_generated_tokens,
-            "total_tokens": last.num_prompt_tokens + last.num_generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens}}
-
-
-def _sse(deltas: Iterator[TokenDelta], cid: str, model: str, include_usage: bool) -> Iterator[str]:
-    """Runs in Starlette's threadpool; when the client goes away the generator is closed, which
-    closes `deltas` and cancels the request in the engine. A failure after the 200 was sent can only
-    be reported in-band: one `data: {"error": ...}` event (OpenAI's shape), then [DONE]."""
-    yield _chunk(cid, model, {"role": "assistant", "content": ""}, None)
-    last = TokenDelta("")
-    try:
-        for last in deltas:
-            if last.text or last.finish_reason:
-                yield _chunk(cid, model, {"content": last.text} if last.text else {}, _finish(last.finish_reason))
-    except (AssistantError, ValueError) as e:
-        kind = ("overloaded" if isinstance(e, EngineBusy) else
-                "invalid_request_error" if isinstance(e, ValueError) else "server_error")
-        yield f"data: {json.dumps(error_body(str(e), kind))}\n\n"
+    try:  # the chat template and tokenising run here: off the event loop
+        deltas = await run_in_threadpool(engine.generate, shape.messages(req.engine_messages()), params,
+                                         tools=req.engine_tools())
+    except EngineBusy as e:
+        return await refuse(503, str(e), "overloaded", ledger="busy", headers={"retry-after": "1"})
+    except TemplateError as e:
+        return await refuse(400, f"The model's chat template cannot render these messages: {e}", param="messages")
+    except (AssistantError, ValueError) as e:  # prompt too long, empty, ...: the request's fault
+        return await refuse(400, str(e))
+    except Exception as e:  # ours: say so in the API's shape, keep the details in the log
+        log.exception("engine.generate failed")
+        return await refuse(500, f"The server failed to start generating: {type(e).__name__}: {e}", "server_error",
+                            ledger="error")
+    if req.stream:
+        started = getattr(request.state, "started", None)
+        return ClosingStreamingResponse(sse(deltas, shape, req.include_usage, ticket, gateway.metrics, started),
+                                 media_type="text/event-stream", headers=ticket.headers)
+    try:  # the drain waits for every token: in the threadpool, never on the event loop
+        text, last = await run_in_threadpool(drain, deltas)
+    except EngineBusy as e:
+        return await refuse(503, str(e), "overloaded", ledger="busy", headers={"retry-after": "1"})
+    except ValueError as e:  # an engine that validates lazily (on first iteration)
+        return await refuse(400, str(e))
+    except AssistantError as e:
+        return await refuse(500, str(e), "server_error", ledger="error")
     except Exception as e:
-        log.exception("generation failed mid-stream")
-        yield f"data: {json.dumps(error_body(f'Generation failed: {type(e).__name__}: {e}', 'server_error'))}\n\n"
-    finally:
-        close = getattr(deltas, "close", None)
-        if close:
-            close()
-    if include_usage:
-        usage = {"id": cid, "object": "chat.completion.chunk", "model": model, "choices": [], "usage": _usage(last)}
-        yield f"data: {json.dumps(usage)}\n\n"
-    yield "data: [DONE]\n\n"
+        log.exception("generation failed")
+        return await refuse(500, f"Generation failed: {type(e).__name__}: {e}", "server_error", ledger="error")
+    message, finish = message_of(shape, text, last.finish_reason)
+    await run_in_threadpool(ticket.finish, status_of(finish), last.num_prompt_tokens, last.num_cached_tokens,
+                            last.num_generated_tokens)
+    return JSONResponse({
+        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": usage_of(last),
+    }, headers=ticket.headers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from assistant.engine.base import SamplingParams
 
@@ -111,6 +111,20 @@ class StreamOptions(_Strict):
     include_usage: Optional[bool] = None
 
 
+class FunctionName(_Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(_Strict):
     messages: list[Message] = Field(min_length=1)
     model: Optional[str] = None
@@ -125,6 +139,21 @@ class ChatCompletionRequest(_Strict):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None  # accepted; the model may make several calls either way
+    response_format: Optional[ResponseFormat] = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_names_a_tool(cls, value: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if value is None or value == "none":
+            return value
+        if not tools:
+            raise ValueError("tool_choice needs `tools` to choose from")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names the function {value.function.name!r}, which is not among `tools`")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -154,7 +183,25 @@ class ChatCompletionRequest(_Strict):
         return [m.for_engine() for m in self.messages]
 
     def engine_tools(self) -> list[dict[str, Any]] | None:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        """The tools the model is shown: none when tool_choice is "none"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools] if self.engine_tools() else []
+
+    @property
+    def forced_tool(self) -> str | None:
+        """None: the model decides; "": it must call some tool ("required"); else the tool it must call."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "" if self.tool_choice == "required" else None
+
+    @property
+    def wants_json(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
     @property
     def include_usage(self) -> bool:
@@ -170,16 +217,60 @@ def _param(loc: tuple[Any, ...]) -> str | None:
 
 def parse_chat_request(raw: bytes) -> ChatCompletionRequest:
     """Decode and validate a /v1/chat/completions body, or raise RequestError."""
+    return _validate(ChatCompletionRequest, _decode(raw))
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit per request
+
+
+class EmbeddingsRequest(_Strict):
+    model: str = Field(min_length=1)
+    input: Union[str, list[str]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(None, ge=1)
+    user: Optional[str] = None
+
+    @field_validator("input")
+    @classmethod
+    def _texts(cls, value: Any) -> Any:
+        texts = [value] if isinstance(value, str) else value
+        if not texts or len(texts) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"must be a string or a list of 1 to {MAX_EMBEDDING_INPUTS} strings")
+        if any(not t for t in texts):
+            raise ValueError("inputs must not be empty strings")
+        return value
+
+    @field_validator("dimensions")
+    @classmethod
+    def _no_dimensions(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("the embedder makes vectors of one fixed size: leave `dimensions` out")
+        return value
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+def _decode(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise RequestError(f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
+    return body
+
+
+def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
         error = e.errors(include_url=False)[0]
         param = _param(tuple(error["loc"]))
         message = str(error["msg"]).removeprefix("Value error, ")
         raise RequestError(f"{param}: {message}" if param else message, param) from None
+
+
+def parse_embeddings_request(raw: bytes) -> EmbeddingsRequest:
+    """Decode and validate a /v1/embeddings body, or raise RequestError."""
+    return _validate(EmbeddingsRequest, _decode(raw))

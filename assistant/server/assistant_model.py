@@ -1,0 +1,124 @@
+"""The model id `assistant` on /v1/chat/completions: the full orchestrator turn (retrieval, tools,
+safety, citations, the store) over the messages a stateless OpenAI client sends.
+
+The sent messages before the last user message become a new stored conversation's history (owned by
+the caller's key), the last one is the turn. The answer comes in OpenAI's shape with two extra fields
+OpenAI clients ignore: `sources` (verified citations) and `conversation_id`; when streaming, tool
+steps, sources and safety verdicts come as extra `event: assistant.<type>` SSE events. The turn's
+Usage event feeds the ledger; a client that goes away cancels the turn and its partial usage is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from typing import Any, Iterator
+
+from fastapi.responses import JSONResponse
+
+from assistant.server.completions import chunk, error_body, finish_reason
+from assistant.server.streaming import ClosingStreamingResponse
+
+ASSISTANT_MODEL = "assistant"  # the model id that runs the full assistant turn
+
+
+class TurnTally:
+    """What the ledger and metrics need from a turn's events."""
+
+    def __init__(self, metrics: Any) -> None:
+        self.metrics = metrics
+        self.prompt = self.cached = self.completion = 0
+        self.reason: str | None = None
+
+    def see(self, event: Any) -> None:
+        from assistant.events import Done, SafetyVerdict, Usage
+
+        if isinstance(event, Usage):
+            self.prompt, self.cached, self.completion = event.prompt_tokens, event.cached_tokens, event.completion_tokens
+            if self.metrics is not None and event.context_window:
+                self.metrics.context_use.observe(min(1.0, event.prompt_tokens / event.context_window))
+        elif isinstance(event, SafetyVerdict) and self.metrics is not None:
+            self.metrics.safety.labels(event.stage, str(event.allowed).lower()).inc()
+        elif isinstance(event, Done):
+            self.reason = event.finish_reason
+
+    def finish(self, ticket: Any, failed: bool = False) -> None:
+        if ticket is None:
+            return
+        status = "error" if failed or self.reason == "error" else (
+            "cancelled" if self.reason in (None, "cancelled") else "ok" if self.reason == "stop" else self.reason)
+        ticket.finish(status, self.prompt, self.cached, self.completion)
+
+
+def assistant_completion(assistant: Any, messages: list[dict], params: Any, stream: bool, *, ticket: Any = None,
+                         gateway: Any = None, metrics: Any = None) -> Any:
+    from assistant.events import Done, Error, Sources, TextDelta
+
+    *history, last = messages
+    if last.get("role") != "user" or not str(last.get("content") or "").strip():
+        if ticket is not None:
+            ticket.finish("invalid")
+        return JSONResponse(error_body("The model `assistant` answers a conversation that ends with a user message.",
+                                       param="messages"), 400)
+    conversation_id = assistant.conversations.start(history, title=str(last["content"])[:60])
+    if gateway is not None and ticket is not None:
+        gateway.claim(ticket.principal, "conversation", conversation_id)
+    cancel = threading.Event()
+    events = assistant.turn(conversation_id, str(last["content"]), params=params, cancel=cancel)
+    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    tally = TurnTally(metrics)
+    headers = ticket.headers if ticket is not None else {}
+    if stream:
+        def chunks() -> Iterator[str]:
+            started, previous = time.perf_counter(), None
+            failed = False
+            try:
+                yield chunk(cid, ASSISTANT_MODEL, {"role": "assistant", "content": ""}, None)
+                for event in events:
+                    tally.see(event)
+                    if isinstance(event, TextDelta):
+                        now = time.perf_counter()
+                        if metrics is not None:
+                            (metrics.ttft.labels(ASSISTANT_MODEL).observe(now - started) if previous is None
+                             else metrics.itl.labels(ASSISTANT_MODEL).observe(now - previous))
+                        previous = now
+                        yield chunk(cid, ASSISTANT_MODEL, {"content": event.text}, None)
+                    elif isinstance(event, Error):
+                        yield f"data: {json.dumps(error_body(event.message, 'server_error'))}\n\n"
+                    elif not isinstance(event, Done):  # sources, tool steps, ...: extra events clients ignore
+                        yield f"event: assistant.{event.type}\ndata: {json.dumps(event.to_dict(), default=str)}\n\n"
+                    else:
+                        yield chunk(cid, ASSISTANT_MODEL, {}, finish_reason(event.finish_reason))
+                yield "data: [DONE]\n\n"
+            except Exception:
+                failed = True
+                raise
+            finally:
+                cancel.set()  # a client that went away: the turn stops, its partial answer is kept
+                close = getattr(events, "close", None)
+                if close is not None:
+                    close()
+                tally.finish(ticket, failed)
+        return ClosingStreamingResponse(chunks(), media_type="text/event-stream", headers=headers)
+    sources: list[dict] = []
+    done = None
+    try:
+        for event in events:
+            tally.see(event)
+            if isinstance(event, Sources):
+                sources = [dataclasses.asdict(s) for s in event.sources]
+            elif isinstance(event, Done):
+                done = event
+    finally:
+        tally.finish(ticket, done is None)
+    if done is None or done.finish_reason == "error":
+        return JSONResponse(error_body("The assistant turn failed; see the server log.", "server_error"), 500)
+    usage = {"prompt_tokens": tally.prompt, "completion_tokens": tally.completion,
+             "total_tokens": tally.prompt + tally.completion, "prompt_tokens_details": {"cached_tokens": tally.cached}}
+    return JSONResponse({"id": cid, "object": "chat.completion", "created": int(time.time()), "model": ASSISTANT_MODEL,
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
+                                      "finish_reason": finish_reason(done.finish_reason)}],
+                         "usage": usage, "sources": sources, "conversation_id": done.conversation_id}, headers=headers)

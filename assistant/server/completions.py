@@ -1,0 +1,176 @@
+"""A raw-model chat completion in OpenAI's shape: tool calls, forced tool calls, JSON mode, usage,
+streamed or not, and the gateway's accounting when it ends (however it ends).
+
+Tool calls: the model writes them in its own chat-template format (Qwen: `<tool_call>{...}</tool_call>`,
+or a JSON fence); assistant/toolcalls.py finds and parses them. With `tool_choice: "auto"` a stream
+shows answer text as it comes and holds back anything that may be a call (ToolCallSplitter); a reply
+with calls ends with one `tool_calls` delta and `finish_reason: "tool_calls"`.
+Forcing: `"required"` and a named function prefill the model's reply with the opening of a call
+(`<tool_call>\\n{"name": "NAME", "arguments": `; engine/base.py PREFIX), so the model can only
+continue it; JSON mode (`response_format: json_object | json_schema`) prefills `{`. Neither is
+grammar-constrained decoding: a model can still write a broken call or broken JSON (then the text
+comes back as content); a json_schema's schema is not enforced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from assistant.engine.base import PREFIX, TokenDelta
+from assistant.errors import AssistantError, EngineBusy
+from assistant.toolcalls import ParsedReply, ToolCallSplitter, parse_reply
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return {"cancelled": "stop"}.get(reason or "", reason)
+
+
+def chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None) -> str:
+    body = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def usage_of(last: TokenDelta) -> dict[str, Any]:
+    return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_generated_tokens,
+            "total_tokens": last.num_prompt_tokens + last.num_generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens}}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one request's reply is read: which tools can be called, and what was prefilled."""
+
+    cid: str
+    model: str
+    tool_names: tuple[str, ...] = ()
+    prefix: str = ""  # prefilled start of the reply (a forced call's opening, or "{")
+    forced: bool = False  # the prefix opens a tool call
+
+    @classmethod
+    def of(cls, req: Any, cid: str, model: str) -> "Shape":
+        names = tuple(req.tool_names)
+        forced = req.forced_tool
+        if names and forced is not None:
+            opening = '<tool_call>\n{"name": "' + (f'{forced}", "arguments": ' if forced else "")
+            return cls(cid, model, names, opening, True)
+        return cls(cid, model, names, "{" if req.wants_json else "")
+
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not self.prefix:
+            return messages
+        return [*messages, {"role": "assistant", "content": self.prefix, PREFIX: True}]
+
+    def parse(self, text: str) -> ParsedReply:
+        if not self.tool_names:
+            return ParsedReply(self.prefix + text)
+        return parse_reply(self.prefix + text, self.tool_names)
+
+
+def tool_calls(reply: ParsedReply) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for c in reply.calls]
+
+
+def message_of(shape: Shape, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The non-streamed reply: (message, finish_reason)."""
+    reply = shape.parse(text)
+    if reply.calls:
+        return {"role": "assistant", "content": reply.text or None, "tool_calls": tool_calls(reply)}, "tool_calls"
+    return {"role": "assistant", "content": shape.prefix + text}, finish_reason(reason)
+
+
+def status_of(reason: str | None) -> str:
+    """A ledger status for an engine finish_reason."""
+    return {"stop": "ok", "length": "length", "cancelled": "cancelled", "tool_calls": "tool_calls"}.get(reason or "", "ok")
+
+
+def drain(deltas: Iterator[TokenDelta]) -> tuple[str, TokenDelta]:
+    text, last = [], TokenDelta("")
+    try:
+        for last in deltas:
+            text.append(last.text)
+    finally:
+        close = getattr(deltas, "close", None)
+        if close:
+            close()
+    return "".join(text), last
+
+
+def sse(deltas: Iterator[TokenDelta], shape: Shape, include_usage: bool, ticket: Any = None, metrics: Any = None,
+        started: float | None = None) -> Iterator[str]:
+    """The streamed reply. Runs in Starlette's threadpool; when the client goes away the generator is
+    closed, which closes `deltas` (cancelling the request in the engine) and records the partial
+    usage. A failure after the 200 was sent can only be reported in-band: one `data: {"error": ...}`
+    event (OpenAI's shape), then [DONE]."""
+    cid, model = shape.cid, shape.model
+    yield chunk(cid, model, {"role": "assistant", "content": ""}, None)
+    if shape.prefix and not shape.forced:
+        yield chunk(cid, model, {"content": shape.prefix}, None)
+    splitter = ToolCallSplitter(shape.tool_names) if shape.tool_names and not shape.forced else None
+    held: list[str] = []  # a forced call's text, parsed at the end
+    last, ended, failed = TokenDelta(""), None, False
+    started = time.perf_counter() if started is None else started
+    previous = None
+    try:
+        for last in deltas:
+            if last.text and metrics is not None:
+                now = time.perf_counter()
+                if previous is None:
+                    metrics.ttft.labels(model).observe(now - started)
+                else:
+                    metrics.itl.labels(model).observe(now - previous)
+                previous = now
+            if shape.forced:
+                held.append(last.text)
+            elif splitter is not None:
+                shown = splitter.feed(last.text)
+                if shown:
+                    yield chunk(cid, model, {"content": shown}, None)
+            elif last.text or last.finish_reason:
+                yield chunk(cid, model, {"content": last.text} if last.text else {}, finish_reason(last.finish_reason))
+            if last.finish_reason:
+                ended = last.finish_reason
+        if shape.forced or splitter is not None:
+            if splitter is not None:
+                reply, rest = splitter.finish()
+            else:
+                reply, rest = shape.parse("".join(held)), shape.prefix + "".join(held)
+            if reply.calls:
+                ended = "tool_calls"
+                calls = [{"index": i, **call} for i, call in enumerate(tool_calls(reply))]
+                yield chunk(cid, model, {"tool_calls": calls}, None)
+            elif rest:
+                yield chunk(cid, model, {"content": rest}, None)
+            yield chunk(cid, model, {}, finish_reason(ended))
+    except (AssistantError, ValueError) as e:
+        failed = True
+        kind = ("overloaded" if isinstance(e, EngineBusy) else
+                "invalid_request_error" if isinstance(e, ValueError) else "server_error")
+        yield f"data: {json.dumps(error_body(str(e), kind))}\n\n"
+    except Exception as e:
+        failed = True
+        log.exception("generation failed mid-stream")
+        yield f"data: {json.dumps(error_body(f'Generation failed: {type(e).__name__}: {e}', 'server_error'))}\n\n"
+    finally:
+        close = getattr(deltas, "close", None)
+        if close:
+            close()
+        if ticket is not None:  # also when the client went away (GeneratorExit): the partial counts
+            status = "error" if failed else status_of(ended) if ended else "cancelled"
+            ticket.finish(status, last.num_prompt_tokens, last.num_cached_tokens, last.num_generated_tokens)
+    if include_usage:
+        usage = {"id": cid, "object": "chat.completion.chunk", "model": model, "choices": [], "usage": usage_of(last)}
+        yield f"data: {json.dumps(usage)}\n\n"
+    yield "data: [DONE]\n\n"
