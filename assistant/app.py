@@ -11,6 +11,7 @@ and uses only its facade:
     assistant.documents       ingest / list / delete
     assistant.models          ids / generate (raw completions for /v1) / count_tokens / embed
     assistant.keys · owners · usage   API keys, who owns what, the usage ledger (the gateway's tables)
+    assistant.safety          set_policy / policy_of / audit_log / moderate (None with safety.enabled = false)
 
 Nothing outside this module reaches into `.engine`, `.store` or the retriever.
 """
@@ -173,6 +174,7 @@ class Assistant:
     owners: Owners | None = None  # which key created which conversation
     usage: UsageLedger | None = None  # one row per API request
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    safety: Any = None  # assistant.safety.layer.SafetyLayer (policies, audit, moderation); None when disabled
 
     def turn(self, conversation_id: str | None, user_input: UserInput | str, *, params: SamplingParams | None = None,
              cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
@@ -221,8 +223,12 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
     """Wire the app from `config`. Every argument but `config` replaces one seam's real default (tests
     pass fakes); whatever is built here is closed by `Assistant.close()`, what is passed in is not.
     `tools`: None = the product's tools (documents and the sandboxed `python`); a list = the document
-    tools plus exactly these."""
+    tools plus exactly these.
+    Safety (assistant/safety, `[safety]` in the config): unless `safety.enabled` is false, the input guard
+    is the configured policy's (an `input_guard` argument replaces it) and the output guard runs first
+    among the stream transformers, so what later ones (speech) see is already redacted."""
     closers: list[Callable[[], None]] = []
+    safety = None
     try:
         if engine is None:
             from assistant.engine import create_engine
@@ -234,6 +240,10 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
         if store is None:
             store = Store(config.store_url)
             closers.append(store.close)
+        if config.safety.enabled:
+            safety = _safety_layer(config, store)
+            input_guard = input_guard or safety.input_guard
+            transformers = [safety.output_guard(), *transformers]
         handle = _retriever_handle(config, retriever)
         if handle is not None and retriever is None:
             closers.append(handle.close)
@@ -259,7 +269,16 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
         raise
     return Assistant(config, orchestrator, Conversations(store), documents, Models(config, router),
                      keys=Keys(store.db, tuple(config.server.tiers)), owners=Owners(store.db),
-                     usage=UsageLedger(store.db), _closers=closers)
+                     usage=UsageLedger(store.db), _closers=closers, safety=safety)
+
+
+def _safety_layer(config: AssistantConfig, store: Store) -> Any:
+    try:
+        from assistant.safety.layer import SafetyLayer
+    except ImportError as e:
+        raise ConfigError(f"The safety guards need {e.name}: run `make setup` or pip install -e '.[safety]' "
+                          "(or set safety.enabled = false to run without them).") from e
+    return SafetyLayer.from_config(config, store)
 
 
 def _router(config: AssistantConfig, engine: Engine) -> Router:

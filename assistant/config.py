@@ -14,6 +14,8 @@ TOML layout (every key optional)::
     num_threads = 2
     [server]
     port = 7860
+    [safety]
+    policy = "default"            # or strict, permissive-research; enabled = false turns the guards off
 
 Environment: `ASSISTANT_DATA_DIR`, `ASSISTANT_MODELS_DIR`, `ASSISTANT_CONFIG` (the TOML path) and
 `ASSISTANT_<SECTION>_<FIELD>` for any section field, e.g. `ASSISTANT_ENGINE_MODEL=large`,
@@ -137,6 +139,14 @@ class SandboxConfig:
 
 
 @dataclass(frozen=True)
+class SafetyConfig:
+    enabled: bool = True  # input and output guards on every turn (assistant/safety); false = no guard at all
+    policy: str = "default"  # default | strict | permissive-research | a name in policies_dir | a .toml path
+    policies_dir: str = ""  # a folder of your own policy files (*.toml), added to the shipped ones
+    head_dir: str = ""  # the trained head (safety_head.npz + .json); "" = the one shipped in assistant/safety/models
+
+
+@dataclass(frozen=True)
 class AssistantConfig:
     data_dir: Path = Path("./data")  # models/, qdrant/, assistant.db, uploads/, logs/ live here
     models_dir: Path | None = None  # prepared models; None = <data_dir>/models (share one across data dirs)
@@ -146,6 +156,7 @@ class AssistantConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
 
     # -- derived paths -------------------------------------------------------------------------
     @property
@@ -253,6 +264,9 @@ class AssistantConfig:
             raise ConfigError("retrieval.embed_threads must be >= 0 (0 = auto) and retrieval.search_threads >= 1.")
         if not r.ocr_languages or not all(part.isidentifier() for part in r.ocr_languages.split("+")):
             raise ConfigError(f"retrieval.ocr_languages={r.ocr_languages!r}: use Tesseract codes joined by '+', e.g. eng+deu.")
+        if not self.safety.policy.strip():
+            raise ConfigError("safety.policy is empty: use default, strict or permissive-research "
+                              "(or safety.enabled = false to turn the guards off).")
         if not self.system_prompt.strip():
             raise ConfigError("system_prompt is empty: remove the setting to use the default, or write one.")
 

@@ -3,7 +3,8 @@
 Design note — the turn:
   1. pre-stage: speech becomes the question's text (Transcribed), each image a description that goes
      into the model's context with the question (ImageDescribed), attached files are ingested;
-  2. the input guard checks the question *before* it is stored. A blocked question is stored marked
+  2. the input guard (bound to the conversation: its safety policy and audit) checks the question
+     *before* it is stored; an allowed verdict that names a category is a warning, shown as an event. A blocked question is stored marked
      `blocked` (never shown to the model again), the refusal is stored as the answer, and the turn
      ends with SafetyVerdict + Done(finish_reason="blocked");
   3. the user message is committed, then an assistant message is inserted as `partial` under it and
@@ -86,10 +87,13 @@ class Orchestrator:
                 yield Done(cid, "", "", "error")
                 return
         history = self.store.history(cid)
-        verdict = self.input_guard.check(text, where="input")
+        verdict = self._guard(cid).check(text, where="input")
         if not verdict.allowed:
             yield from self._refuse(cid, text, meta, verdict)
             return
+        if verdict.category:  # allowed with a warning: the user sees it
+            yield SafetyVerdict("input", True, verdict.category, verdict.reason, verdict.score, verdict.threshold,
+                                verdict.detector)
         user = self.store.add_message(cid, "user", text, meta=meta)
         yield from self._answer(cid, user, history, params or self.default_params(), cancel)
 
@@ -112,7 +116,7 @@ class Orchestrator:
             raise StoreError(f"Message {message_id} is not a user message of conversation {conversation_id}.")
         history = self.store.history(conversation_id, head_id=old.parent_id)
         text = new_text.strip()
-        verdict = self.input_guard.check(text, where="input")
+        verdict = self._guard(conversation_id).check(text, where="input")
         if not verdict.allowed:
             self.store.set_head(conversation_id, old.parent_id)
             yield from self._refuse(conversation_id, text, {"edited_from": old.id}, verdict)
@@ -122,6 +126,11 @@ class Orchestrator:
         yield from self._answer(conversation_id, user, history, params or self.default_params(), cancel)
 
     # -- one turn -------------------------------------------------------------------------------
+    def _guard(self, cid: str) -> InputGuard:
+        """The input guard bound to this conversation (its policy, its audit rows), when it can be bound."""
+        bind = getattr(self.input_guard, "for_conversation", None)
+        return bind(cid) if bind is not None else self.input_guard
+
     def _prestage(self, turn_input: UserInput, meta: dict[str, Any]) -> Iterator[TurnEvent]:
         """Speech -> the question's text, images -> descriptions kept in `meta` (returns the text)."""
         text = turn_input.text.strip()
@@ -157,8 +166,9 @@ class Orchestrator:
         yield TurnStarted(cid, user.id, answer.id)
         turn = TurnState(cid, SourceLedger())
         chat, ids, memory = _prompt_history(history)
-        loop = AgentLoop(self.router, self.tools, self.config, self.options, guard=self.input_guard,
-                         transformers=self.transformers, prefetch=self.prefetch, summarize=self.summarize)
+        transformers = [t.for_turn(cid) if hasattr(t, "for_turn") else t for t in self.transformers]
+        loop = AgentLoop(self.router, self.tools, self.config, self.options, guard=self._guard(cid),
+                         transformers=transformers, prefetch=self.prefetch, summarize=self.summarize)
         try:
             yield from loop.run(turn, user.as_chat(), chat, ids, memory, params, cancel,
                                 flush=lambda text: self.store.update_message(answer.id, content=text))

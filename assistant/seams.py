@@ -65,8 +65,12 @@ ALLOWED = Verdict()
 
 
 class InputGuard(Protocol):
+    """A guard may also offer `for_conversation(conversation_id) -> InputGuard` (the guard bound to that
+    conversation's policy); the orchestrator uses it when present."""
+
     def check(self, text: str, *, where: str) -> Verdict:
-        """where: "input" (the user's message), "retrieved" (document passages) or "tool" (tool output)."""
+        """where: "input" (the user's message), "retrieved" (document passages) or "tool" (tool output).
+        An allowed verdict with a category is a warning the user is shown."""
         ...
 
 
@@ -87,6 +91,11 @@ class StreamTransformer:
 
     def finish(self) -> Sequence[TurnEvent]:
         return ()
+
+    def for_turn(self, conversation_id: str) -> "StreamTransformer":
+        """The instance that serves one answer. A transformer with per-answer state (an output guard's
+        held-back sentence) returns a fresh one; the default shares this instance."""
+        return self
 
 
 class PreStage(Protocol):

@@ -1,0 +1,177 @@
+"""`assistant safety ...` and `assistant eval safety FILE.jsonl`.
+
+  assistant safety train [--data FILE] [--seed 0]   retrain the head (fixed seed) into assistant/safety/models
+  assistant safety check TEXT [--where input]        the verdict and every detector's scores
+  assistant safety policy CONVERSATION [NAME]        show or choose a conversation's policy ("default" resets)
+  assistant safety audit [--conversation ID]         the newest audit rows
+  assistant eval safety FILE.jsonl [--policy NAME]   catch rate per category, false positives, latency
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from assistant.commands import EVAL_HELP, command_group
+
+DEFAULT_TRAIN = Path(__file__).resolve().parents[2] / "tests" / "data" / "safety_train.jsonl"
+
+
+def register(subparsers: argparse._SubParsersAction, add_common) -> None:
+    safety = subparsers.add_parser("safety", help="safety classifiers: train the head, check text, policies, audit")
+    sub = safety.add_subparsers(dest="safety_command", required=True, metavar="ACTION")
+    train = sub.add_parser("train", help="train the safety head on the labelled set (reproducible)")
+    train.add_argument("--data", default=str(DEFAULT_TRAIN), help="labelled JSONL (default tests/data/safety_train.jsonl)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--out", default=None, help="head directory (default assistant/safety/models)")
+    train.add_argument("--featurizer", default="minilm-l6-int8", choices=("minilm-l6-int8", "minilm-l6"))
+    add_common(train)
+    train.set_defaults(func=_cmd_train)
+    check = sub.add_parser("check", help="classify one text and show every score")
+    check.add_argument("text")
+    check.add_argument("--where", default="input", choices=("input", "retrieved", "tool", "output"))
+    check.add_argument("--policy", default=None)
+    add_common(check)
+    check.set_defaults(func=_cmd_check)
+    policy = sub.add_parser("policy", help="show or set the safety policy of a conversation")
+    policy.add_argument("conversation")
+    policy.add_argument("name", nargs="?", default=None, help="policy name; 'default' resets to the configured one")
+    add_common(policy)
+    policy.set_defaults(func=_cmd_policy)
+    audit = sub.add_parser("audit", help="show the newest rows of the safety audit log")
+    audit.add_argument("--conversation", default=None)
+    audit.add_argument("--limit", type=int, default=20)
+    add_common(audit)
+    audit.set_defaults(func=_cmd_audit)
+
+    ev = command_group(subparsers, "eval", EVAL_HELP).add_parser("safety", help="evaluate the safety guards on a labelled JSONL")
+    ev.add_argument("file", help="JSONL rows: text, label (allow|block), optional category, where")
+    ev.add_argument("--policy", default=None, help="policy to evaluate (default: the configured one)")
+    ev.add_argument("--errors", type=int, default=15, help="mistakes to list")
+    add_common(ev)
+    ev.set_defaults(func=_cmd_eval)
+
+
+def _layer(config, policy: str | None = None, *, store=None):
+    from assistant.safety.layer import SafetyLayer
+
+    if policy:
+        config = replace(config, safety=replace(config.safety, policy=policy))
+    return SafetyLayer.from_config(config, store)
+
+
+def _single_thread() -> None:
+    """The guard shares the CPU with the engine in `serve`; measure it the way it runs there."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _cmd_train(args, config) -> int:
+    from assistant.safety.evaluate import load_rows
+    from assistant.safety.head import HEAD_DIR, Featurizer, train_head
+
+    _single_thread()
+    data = Path(args.data)
+    rows = load_rows(data)
+    started = time.perf_counter()
+    head, card = train_head(rows, Featurizer(args.featurizer), seed=args.seed)
+    card["trained_on"] = {"file": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "rows": len(rows)}
+    path = head.save(Path(args.out) if args.out else HEAD_DIR, card=card)
+    saved = json.loads(path.with_suffix(".json").read_text())
+    print(f"trained on {card['num_rows']} rows of {data.name} in {time.perf_counter() - started:.1f} s "
+          f"(classes: {', '.join(head.classes)})")
+    for t, m in card["cv5_by_threshold"].items():
+        print(f"  5-fold CV, head alone, threshold {t}: catch {m['catch_rate']:.1%}, false positives "
+              f"{m['false_positive_rate']:.1%}")
+    print(f"saved {path} (version {saved['version']}, sha256 {saved['sha256'][:16]}…)")
+    return 0
+
+
+def _cmd_check(args, config) -> int:
+    _single_thread()
+    layer = _layer(config, args.policy)
+    guard = layer.input_guard.for_conversation(None)
+    started = time.perf_counter()
+    verdict = guard.check(args.text, where=args.where) if args.where != "output" else None
+    ms = (time.perf_counter() - started) * 1000
+    for s in guard.scores(args.text):
+        print(f"  {s.detector:<17} {s.category:<17} {s.score:.3f}")
+    if verdict is not None:
+        state = "allowed" if verdict.allowed and not verdict.category else ("warned" if verdict.allowed else "blocked")
+        print(f"{state} ({ms:.1f} ms) policy={guard.policy.name} category={verdict.category or '-'} "
+              f"score={verdict.score} threshold={verdict.threshold} detector={verdict.detector or '-'}")
+        if verdict.reason:
+            print(verdict.reason)
+    return 0
+
+
+def _cmd_policy(args, config) -> int:
+    from assistant.store import Store
+
+    store = Store(config.store_url)
+    try:
+        layer = _layer(config, store=store)
+        if args.name:
+            layer.set_policy(args.conversation, None if args.name == "default" else args.name)
+        print(f"{args.conversation}: {layer.policy_of(args.conversation)} (available: {', '.join(layer.policy_names())})")
+    finally:
+        store.close()
+    return 0
+
+
+def _cmd_audit(args, config) -> int:
+    from assistant.store import Store
+
+    store = Store(config.store_url)
+    try:
+        rows = _layer(config, store=store).audit_log(args.conversation, args.limit)
+    finally:
+        store.close()
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_at))
+        print(f"{when} {r.conversation_id or '-':<32} {r.policy:<20} {r.stage:<9} {r.action:<6} {r.category:<18} "
+              f"{r.score:.3f}/{r.threshold:.2f} {r.detector:<20} {r.excerpt_sha256[:16]}")
+    if not rows:
+        print("no audit rows")
+    return 0
+
+
+def _cmd_eval(args, config) -> int:
+    from assistant.safety.evaluate import evaluate_rows, format_table, load_rows
+
+    _single_thread()
+    rows = load_rows(args.file)
+    layer = _layer(config, args.policy)
+    warm = layer.input_guard.for_conversation(None)
+    for where in ("input", "retrieved"):  # load every model before timing
+        warm.check("warm-up text", where=where)
+    report = evaluate_rows(rows, layer)
+    summary = report.summary()
+    summary["policy"] = layer.policies.default.name
+    print(format_table(summary, report, show_errors=args.errors))
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m assistant.safety ...`: the same commands without relying on installed entry points."""
+    from assistant import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if "safety" not in sub.choices:
+        register(sub, cli.add_common)
+    args = parser.parse_args(argv)
+    from assistant.errors import AssistantError
+
+    try:
+        return int(args.func(args, cli.load_config(args)) or 0)
+    except AssistantError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 2

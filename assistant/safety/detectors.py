@@ -1,0 +1,170 @@
+"""Detectors: each turns a text into scores for the categories it knows, and nothing else.
+
+A detector does not decide; the policy does (assistant/safety/policy.py): it names which detectors
+run at which stage and the score at which each one acts. The real detectors, cheapest first:
+
+  * `prompt_guardrail` — PyPI prompt-guardrail 1.0.1: TF-IDF (1-4 word grams) + logistic regression
+    for prompt injection. ~1 ms.
+  * `profanity`        — PyPI alt-profanity-check 1.9.1: TF-IDF + calibrated linear SVM for offensive
+    language. ~1 ms.
+  * `head`             — our own head (assistant/safety/head.py) on all-MiniLM-L6-v2 sentence
+    embeddings: one softmax over benign + every input category. ~8 ms for a short message.
+  * `nanoguard`        — PyPI metatronnanoguard 0.1.0: a 16.8M-parameter transformer for prompt
+    injection. The package pads every text to 512 tokens (~160-250 ms here); we run it unpadded on
+    the real tokens (~15 ms), as a second opinion on retrieved and tool text, not on every message.
+
+The two sklearn models are unpickled (after the sha256 pin, assistant/safety/pinned.py) and then
+scored with numpy on their own weights: sklearn's per-call checks cost ~6 ms for the 5-fold calibrated
+SVM, the arithmetic ~0.1 ms; tests/test_safety_real.py checks both give the same probabilities.
+Every detector loads its model on first use, under a lock, so building the guard costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from assistant.safety import pinned
+from assistant.safety.categories import INPUT_CATEGORIES
+
+
+@dataclass(frozen=True)
+class Score:
+    category: str  # e.g. "prompt_injection"
+    score: float  # in [0, 1]
+    detector: str  # the detector's name
+
+
+class Detector(Protocol):
+    name: str
+    categories: tuple[str, ...]
+
+    def score(self, text: str) -> list[Score]:
+        """Scores of `text` for this detector's categories."""
+        ...
+
+
+class _Lazy:
+    """Loads the model on first use (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._model: Any = None
+
+    def model(self) -> Any:
+        if self._model is None:
+            with self._lock:
+                if self._model is None:
+                    self._model = self.load()
+        return self._model
+
+    def load(self) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+class PromptGuardrail(_Lazy):
+    """prompt-guardrail's TF-IDF + logistic regression (label 1 = injection)."""
+
+    name = "prompt_guardrail"
+    categories = ("prompt_injection",)
+
+    def load(self) -> Any:
+        vectorizer = pinned.load_joblib(pinned.GUARDRAIL_VECTORIZER)
+        clf = pinned.load_joblib(pinned.GUARDRAIL_MODEL)
+        assert list(clf.classes_) == [0, 1], clf.classes_
+        return vectorizer, clf.coef_[0].astype(np.float64), float(clf.intercept_[0]), clf
+
+    def probability(self, texts: Sequence[str]) -> np.ndarray:
+        vectorizer, w, b, _ = self.model()
+        return _sigmoid(vectorizer.transform(list(texts)) @ w + b)  # (N,)
+
+    def score(self, text: str) -> list[Score]:
+        return [Score("prompt_injection", float(self.probability([text])[0]), self.name)]
+
+
+class Profanity(_Lazy):
+    """alt-profanity-check's TF-IDF + sigmoid-calibrated LinearSVC ensemble (the mean of its folds)."""
+
+    name = "profanity"
+    categories = ("toxicity",)
+
+    def load(self) -> Any:
+        vectorizer = pinned.load_joblib(pinned.PROFANITY_VECTORIZER)
+        model = pinned.load_joblib(pinned.PROFANITY_MODEL)
+        assert list(model.classes_) == [0, 1], model.classes_
+        folds = []
+        for calibrated in model.calibrated_classifiers_:
+            svm, (cal,) = calibrated.estimator, calibrated.calibrators
+            folds.append((svm.coef_[0].astype(np.float64), float(svm.intercept_[0]), float(cal.a_), float(cal.b_)))
+        w = np.stack([f[0] for f in folds], axis=1)  # (V, F)
+        b = np.array([f[1] for f in folds])  # (F,)
+        a = np.array([f[2] for f in folds])
+        c = np.array([f[3] for f in folds])
+        return vectorizer, w, b, a, c, model
+
+    def probability(self, texts: Sequence[str]) -> np.ndarray:
+        vectorizer, w, b, a, c, _ = self.model()
+        decision = vectorizer.transform(list(texts)) @ w + b  # (N, F)
+        return _sigmoid(-(a * decision + c)).mean(axis=1)  # (N,) sklearn: expit(-(a*f + b)) per fold, averaged
+
+    def score(self, text: str) -> list[Score]:
+        return [Score("toxicity", float(self.probability([text])[0]), self.name)]
+
+
+class NanoGuard(_Lazy):
+    """metatronnanoguard's transformer classifier, run on the real tokens only (no padding)."""
+
+    name = "nanoguard"
+    categories = ("prompt_injection",)
+    max_tokens = 512
+
+    def load(self) -> Any:
+        import torch
+        from nanoguard.model import Classifier
+        from nanoguard.tokenizer import Tokenizer
+
+        encoding = pinned.load_pickle(pinned.NANOGUARD_TOKENIZER)  # a tiktoken Encoding (needs tiktoken)
+        model, _, config = Classifier.from_checkpoint(str(pinned.verified(pinned.NANOGUARD_MODEL)), device="cpu")
+        return Tokenizer(encoding), model, min(self.max_tokens, config.sequence_len), torch
+
+    def score(self, text: str) -> list[Score]:
+        tokenizer, model, max_len, torch = self.model()
+        ids = tokenizer.encode(text, max_length=max_len)
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool))  # (1, 2)
+        return [Score("prompt_injection", float(torch.softmax(logits.float(), -1)[0, 1]), self.name)]
+
+
+class HeadDetector(_Lazy):
+    """Our trained head (assistant/safety/head.py) over the sentence embedder."""
+
+    name = "head"
+    categories = INPUT_CATEGORIES
+
+    def __init__(self, path: Any = None, featurizer: Any = None) -> None:
+        super().__init__()
+        self.path, self._featurizer = path, featurizer
+
+    def load(self) -> Any:
+        from assistant.safety.head import SafetyHead, load_featurizer
+
+        head = SafetyHead.load(self.path)
+        featurizer = self._featurizer or load_featurizer(head.featurizer)
+        return head, featurizer
+
+    def score(self, text: str) -> list[Score]:
+        head, featurizer = self.model()
+        probs = head.probabilities(featurizer.embed([text]))[0]  # (C,)
+        return [Score(c, float(p), self.name) for c, p in zip(head.classes, probs) if c != "benign"]
+
+
+def real_detectors(head_path: Any = None) -> dict[str, Detector]:
+    """The product's detectors by name (each loads on first use)."""
+    return {d.name: d for d in (PromptGuardrail(), Profanity(), HeadDetector(head_path), NanoGuard())}

@@ -1,0 +1,133 @@
+"""The output guard: a StreamTransformer that checks the answer as it streams, in windows.
+
+Design note — hold back at most one sentence:
+  Deltas are appended to a pending buffer. Whenever the buffer holds a sentence end (., ! or ?
+  followed by white space, or a line break) everything up to the last one is a window: it is
+  scanned (redaction patterns from assistant/safety/redact.py, then the policy's output detectors
+  for toxicity) and released; the unfinished sentence stays pending. A secret never contains such a
+  boundary, so a key split over any number of deltas is still whole when its window is scanned; a
+  PEM private key block is held until its END line. A sentence longer than `max_hold_chars` is cut at
+  its last space (the last word stays pending). `finish()` scans what is left.
+  Redactions replace the span (`[redacted: api key]`) and emit one SafetyVerdict(stage="output",
+  allowed=True) per kind; toxic text with action `block` is replaced by a notice and everything after
+  it is dropped. Because the emitter stores what the last transformer emits, the stored message holds
+  the redacted text. Every redaction and stop is audited (hash of the excerpt only).
+  One instance serves one turn: `for_turn(conversation_id)` makes a fresh one bound to that
+  conversation's policy.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Sequence
+
+from assistant.events import SafetyVerdict, TextDelta, TurnEvent
+from assistant.safety.audit import SafetyAudit
+from assistant.safety.categories import label
+from assistant.safety.policy import Policy
+from assistant.safety.redact import Finding, LeakMatcher, find, redact
+from assistant.seams import StreamTransformer
+
+BOUNDARY = re.compile(r"[.!?](?=\s)|\n")
+PEM_OPEN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")
+PEM_CLOSE = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY-----")
+STOP_NOTICE = ("[The rest of this answer was withheld by the safety policy ({category}). Ask again in other "
+               "words, or ask for a neutral summary.]")
+
+
+class OutputGuard(StreamTransformer):
+    def __init__(self, *, policy: Policy, audit: SafetyAudit, guard: "Callable | None" = None,
+                 leaks: LeakMatcher | None = None, conversation_id: str | None = None,
+                 max_hold_chars: int = 400, policy_for: Callable[[str | None], Policy] | None = None) -> None:
+        self.policy, self.audit, self.leaks = policy, audit, leaks
+        self.guard = guard  # SafetyGuard (its `hit` scores windows for toxicity), or None: patterns only
+        self.conversation_id, self.max_hold_chars = conversation_id, max_hold_chars
+        self.policy_for = policy_for
+        self.pending = ""
+        self.stopped = False
+        self._reported: set[str] = set()
+
+    def for_turn(self, conversation_id: str | None) -> "OutputGuard":
+        policy = self.policy_for(conversation_id) if self.policy_for else self.policy
+        return OutputGuard(policy=policy, audit=self.audit, guard=self.guard, leaks=self.leaks,
+                           conversation_id=conversation_id, max_hold_chars=self.max_hold_chars,
+                           policy_for=self.policy_for)
+
+    # -- the transformer ------------------------------------------------------------------------
+    def feed(self, event: TurnEvent) -> Sequence[TurnEvent]:
+        if not isinstance(event, TextDelta):
+            return (event,)
+        if self.stopped:
+            return ()
+        self.pending += event.text
+        cut = self._cut()
+        return self._release(cut) if cut else ()
+
+    def finish(self) -> Sequence[TurnEvent]:
+        if self.stopped or not self.pending:
+            return ()
+        return self._release(len(self.pending))
+
+    # -- windows --------------------------------------------------------------------------------
+    def _cut(self) -> int:
+        """How much of the pending text is complete enough to scan and release (0: hold it all)."""
+        text = self.pending
+        opened = None
+        for m in PEM_OPEN.finditer(text):
+            opened = m
+        if opened is not None and not PEM_CLOSE.search(text, opened.end()):
+            return self._last_boundary(text[:opened.start()])  # hold the key block until its END line
+        cut = self._last_boundary(text)
+        if cut == 0 and len(text) > self.max_hold_chars:
+            space = text.rfind(" ", 0, len(text) - 1)
+            cut = space + 1 if space > 0 else 0
+        return cut
+
+    @staticmethod
+    def _last_boundary(text: str) -> int:
+        last = 0
+        for m in BOUNDARY.finditer(text):
+            last = m.end()
+        return last
+
+    def _release(self, cut: int) -> list[TurnEvent]:
+        window, self.pending = self.pending[:cut], self.pending[cut:]
+        events: list[TurnEvent] = []
+        findings = [f for f in find(window, self.leaks) if self.policy.output_action(f.category) != "allow"]
+        redacted = [f for f in findings if self.policy.output_action(f.category) == "redact"]
+        for f in findings:
+            action = self.policy.output_action(f.category)
+            self._audit(f.category, "redact" if action == "redact" else action, 1.0, 1.0, f"pattern:{f.kind}",
+                        window[f.start:f.end])
+            if action in ("redact", "warn") and f.kind not in self._reported:
+                self._reported.add(f.kind)
+                verb = "was redacted" if action == "redact" else "appears"
+                events.append(SafetyVerdict("output", True, f.category, f"A {f.kind} in the answer {verb} "
+                                            f"(policy '{self.policy.name}').", 1.0, 1.0, f"pattern:{f.kind}"))
+        text = redact(window, redacted)
+        hit = self.guard.hit(text, where="output", policy=self.policy) if self.guard is not None else None
+        if hit is not None:
+            self._audit(hit.score.category, hit.action, hit.score.score, hit.threshold, hit.score.detector, text)
+            if hit.action == "block":
+                self.stopped, self.pending = True, ""
+                notice = STOP_NOTICE.format(category=label(hit.score.category))
+                events.append(SafetyVerdict("output", False, hit.score.category, notice, round(hit.score.score, 4),
+                                            hit.threshold, hit.score.detector))
+                return [*events, TextDelta(notice)]
+            if hit.action == "warn":
+                events.append(SafetyVerdict("output", True, hit.score.category,
+                                            f"This part of the answer may contain {label(hit.score.category)}.",
+                                            round(hit.score.score, 4), hit.threshold, hit.score.detector))
+        return [*events, TextDelta(text)] if text else events
+
+    def _audit(self, category: str, action: str, score: float, threshold: float, detector: str, excerpt: str) -> None:
+        self.audit.record(conversation_id=self.conversation_id, policy=self.policy.name, stage="output",
+                          category=category, action=action, score=score, threshold=threshold, detector=detector,
+                          excerpt=excerpt)
+
+
+def findings_summary(findings: Sequence[Finding]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in findings:
+        out[f.category] = out.get(f.category, 0) + 1
+    return out

@@ -1,0 +1,137 @@
+"""Patterns for what an answer must not carry: secrets, card numbers, private emails and phone
+numbers, and verbatim pieces of the system prompt.
+
+These are rules on purpose: a key has a format, a card number has a checksum (Luhn), and a leak of
+the system prompt is a verbatim copy; a classifier would only blur that. Each finding is a span with
+its category and kind; `redact()` replaces the spans with a marker such as `[redacted: api key]`.
+Kept deliberately strict, so documentation placeholders (`sk-...`, `help@example.com`, version
+numbers, hashes, dates, ISBNs, IP addresses) pass.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)) for kind, p in (
+    ("private key", r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)"),
+    ("api key", r"\bsk-(?:proj-|ant-(?:api\d+-)?|live-|test-)?[A-Za-z0-9_-]{20,}"),
+    ("api key", r"\b[rsp]k_(?:live|test)_[A-Za-z0-9]{16,}"),
+    ("access key", r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b"),
+    ("token", r"\bgh[pousr]_[A-Za-z0-9]{30,}"),
+    ("token", r"\bgithub_pat_[A-Za-z0-9_]{40,}"),
+    ("token", r"\bxox[abprs]-[A-Za-z0-9-]{10,}"),
+    ("api key", r"\bAIza[0-9A-Za-z_-]{35}"),
+    ("token", r"\bhf_[A-Za-z0-9]{30,}"),
+    ("token", r"\bnpm_[A-Za-z0-9]{36}"),
+    ("token", r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),  # JWT
+    ("password", r"://[^\s:/@]+:(?P<v>[^\s@/]+)@"),  # user:password@ in a URL
+    # key = value / key: value assignments of something secret-looking (only the value is redacted)
+    ("secret", r"(?i)\b(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token)\w*"
+               r"[\"']?\s?[:=]\s?[\"']?(?P<v>[^\s\"']{6,})"),
+    ("secret", r"(?i)\b(?:token|secret|password|key) (?P<v>(?=[A-Za-z0-9/+_=-]*\d)[A-Za-z0-9/+_=-]{16,})"),
+    # long random-looking tokens: upper, lower and digits mixed, 32+ chars
+    ("secret", r"(?<![A-Za-z0-9/+_=-])(?=[A-Za-z0-9/+_=-]*[A-Z])(?=[A-Za-z0-9/+_=-]*[a-z])(?=[A-Za-z0-9/+_=-]*\d)"
+               r"[A-Za-z0-9/+_=-]{32,}"),
+))
+CARD = re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])")
+EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@([A-Za-z0-9-]+\.)+[A-Za-z]{2,}\b")
+PHONE = re.compile(r"(?<![\w.+-])(?:\+\d{1,3}[ -]?)?(?:\(\d{2,4}\)[ -]?)?\d{2,5}(?:[ -]\d{2,6}){1,4}(?![\w-])")
+DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:example|test|invalid|localhost))$",
+                         re.IGNORECASE)
+NGRAM = 8  # words of the system prompt repeated in a row that count as a leak
+
+
+@dataclass(frozen=True)
+class Finding:
+    start: int
+    end: int
+    category: str  # secret | pii | system_prompt_leak
+    kind: str  # for the marker: "api key", "card number", "email", ...
+
+
+def luhn_ok(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = int(ch)
+        if i % 2:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+def _card_like(digits: str) -> bool:
+    return 13 <= len(digits) <= 19 and re.match(r"4|5[1-5]|2[2-7]|3[47]|6(?:011|5)|3(?:0[0-5]|[68])", digits) is not None \
+        and luhn_ok(digits)
+
+
+class LeakMatcher:
+    """Finds runs of >= NGRAM words copied from the protected texts (the system prompt)."""
+
+    def __init__(self, protected: Iterable[str]) -> None:
+        self.shingles: set[tuple[str, ...]] = set()
+        for text in protected:
+            words = _words(text)
+            self.shingles.update(tuple(w for w, _, _ in words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1))
+
+    def find(self, text: str) -> list[Finding]:
+        if not self.shingles:
+            return []
+        words = _words(text)
+        out: list[Finding] = []
+        i = 0
+        while i + NGRAM <= len(words):
+            if tuple(w for w, _, _ in words[i:i + NGRAM]) in self.shingles:
+                j = i + NGRAM
+                while j < len(words) and tuple(w for w, _, _ in words[j - NGRAM + 1:j + 1]) in self.shingles:
+                    j += 1
+                out.append(Finding(words[i][1], words[j - 1][2], "system_prompt_leak", "system prompt"))
+                i = j
+            else:
+                i += 1
+        return out
+
+
+def _words(text: str) -> list[tuple[str, int, int]]:
+    return [(m.group().lower(), m.start(), m.end()) for m in re.finditer(r"[A-Za-z0-9']+", text)]
+
+
+def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
+    """Non-overlapping findings in `text`, in order (the earliest, then longest, wins an overlap)."""
+    found: list[Finding] = []
+    for kind, pattern in SECRET_PATTERNS:
+        for m in pattern.finditer(text):
+            group = "v" if "v" in pattern.groupindex else 0  # only the value of `key=value`
+            found.append(Finding(m.start(group), m.end(group), "secret", kind))
+    for m in CARD.finditer(text):
+        if _card_like(re.sub(r"\D", "", m.group())):
+            found.append(Finding(m.start(), m.end(), "pii", "card number"))
+    for m in EMAIL.finditer(text):
+        if not DOC_DOMAINS.search(m.group()):
+            found.append(Finding(m.start(), m.end(), "pii", "email"))
+    for m in PHONE.finditer(text):
+        digits = re.sub(r"\D", "", m.group())
+        formatted = m.group().startswith(("+", "(")) or len(digits) >= 10
+        if 9 <= len(digits) <= 15 and formatted and not _card_like(digits) and not _date_like(m.group()):
+            found.append(Finding(m.start(), m.end(), "pii", "phone number"))
+    if leaks is not None:
+        found += leaks.find(text)
+    found.sort(key=lambda f: (f.start, -(f.end - f.start)))
+    kept: list[Finding] = []
+    for f in found:
+        if not kept or f.start >= kept[-1].end:
+            kept.append(f)
+    return kept
+
+
+def _date_like(s: str) -> bool:
+    return re.fullmatch(r"\d{4}-\d{2}-\d{2}", s.strip()) is not None
+
+
+def redact(text: str, findings: Sequence[Finding]) -> str:
+    out, last = [], 0
+    for f in findings:
+        out += [text[last:f.start], f"[redacted: {f.kind}]"]
+        last = f.end
+    return "".join(out) + text[last:]

@@ -1,0 +1,98 @@
+"""Benchmark: the safety input check's latency, and what a guarded turn adds to time-to-first-token.
+
+Runs the default policy's input check on every user message of tests/data/safety_*.jsonl (after a
+warm-up that loads every model), one torch thread as in `serve` on this box, and reports p50/p95.
+The TTFT part runs turns through build_assistant with a scripted engine that sleeps `--engine-ms`
+before its first token (a stand-in for the model's prefill; pass the prefill time you measured with
+bench/engine.py), guarded vs unguarded in the same run, and reports the added fraction.
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def input_latency(rows: list[dict], repeats: int) -> dict:
+    import torch
+
+    from assistant.config import AssistantConfig
+    from assistant.safety.layer import SafetyLayer
+
+    torch.set_num_threads(1)
+    layer = SafetyLayer.from_config(AssistantConfig.load(env={}))
+    guard = layer.input_guard.for_conversation(None)
+    started = time.perf_counter()
+    guard.check("warm-up: load every model", where="input")
+    load_s = time.perf_counter() - started
+    times = []
+    for _ in range(repeats):
+        for row in rows:
+            t = time.perf_counter()
+            guard.check(row["text"], where="input")
+            times.append((time.perf_counter() - t) * 1000)
+    return {"num_checks": len(times), "load_s": round(load_s, 2), "p50_ms": round(float(np.percentile(times, 50)), 2),
+            "p95_ms": round(float(np.percentile(times, 95)), 2), "max_ms": round(max(times), 2)}
+
+
+def ttft(messages: list[str], engine_ms: float, guarded: bool, tmp: Path) -> list[float]:
+    from assistant.app import build_assistant
+    from assistant.config import AssistantConfig
+    from assistant.engine.fake import ScriptedEngine
+    from assistant.store import Store
+
+    class SlowFirstToken(ScriptedEngine):
+        def generate(self, *args, **kwargs):
+            time.sleep(engine_ms / 1000)
+            yield from super().generate(*args, **kwargs)
+
+    config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp), "safety.enabled": guarded})
+    engine = SlowFirstToken(["Fine. It works."] * len(messages))
+    out = []
+    with build_assistant(config, engine=engine, store=Store("sqlite://"), tools=[]) as assistant:
+        for text in messages:
+            t = time.perf_counter()
+            for event in assistant.turn(None, text):
+                if event.type in ("text_delta", "done"):
+                    out.append((time.perf_counter() - t) * 1000)
+                    break
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--engine-ms", type=float, default=400.0, help="stand-in prefill time of the model")
+    parser.add_argument("--turns", type=int, default=30)
+    args = parser.parse_args()
+    rows = [json.loads(line) for name in ("safety_train.jsonl", "safety_heldout.jsonl")
+            for line in (ROOT / "tests" / "data" / name).open() if line.strip()]
+    rows = [r for r in rows if r.get("where", "input") == "input"]
+    result = {"input_check": input_latency(rows, args.repeats)}
+    print(f"input check over {result['input_check']['num_checks']} messages: p50 {result['input_check']['p50_ms']} ms, "
+          f"p95 {result['input_check']['p95_ms']} ms (goal <= 30 ms)")
+    import tempfile
+
+    benign = [r["text"] for r in rows if r["label"] == "allow"][: args.turns]
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = ttft(benign, args.engine_ms, False, Path(tmp))
+        guarded = ttft(benign, args.engine_ms, True, Path(tmp))
+    p50_plain, p50_guarded = float(np.median(plain)), float(np.median(guarded))
+    result["ttft"] = {"engine_ms": args.engine_ms, "unguarded_p50_ms": round(p50_plain, 1),
+                      "guarded_p50_ms": round(p50_guarded, 1), "added_fraction": round(p50_guarded / p50_plain - 1, 4)}
+    print(f"TTFT p50 unguarded {p50_plain:.1f} ms, guarded {p50_guarded:.1f} ms: "
+          f"+{result['ttft']['added_fraction']:.1%} (goal <= 5%)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
