@@ -10,6 +10,8 @@ Design note — one step loop, two doors:
     splitter releases) becomes TextDelta events that pass through the turn's stream transformers (an
     output guard, a sentence-to-speech transformer) in order. What comes out of the last transformer
     is what the user sees and what is stored.
+  A counting question whose prefetched section holds a list is answered before the loop, counted in
+  code (assistant/counting.py); otherwise the loop runs.
   The loop itself: up to `max_steps` engine calls that may use tools. Each prompt is fitted to the
   context window (assistant/context.py) and sent to the engine the Router picks (assistant/routing.py)
   with the enabled tools' specs in the model's own chat template. Deltas stream as answer text except
