@@ -68,8 +68,10 @@ class Emitter:
     def __init__(self, transformers: Sequence[StreamTransformer], parts: list[str]) -> None:
         self.transformers = list(transformers)
         self.parts = parts  # the turn's visible answer text, appended as it is emitted
+        self.said = ""  # the answer text the model wrote, before the transformers (which may hold some back)
 
     def emit(self, text: str) -> list[TurnEvent]:
+        self.said += text
         return self._record(self._through(0, [TextDelta(text)])) if text else []
 
     def finish(self) -> list[TurnEvent]:
@@ -212,7 +214,7 @@ class AgentLoop:
             if turn.finish == "cancelled":
                 break
             if not reply.wants_tools:
-                if turn.text.strip() or not steps or not offered:
+                if emitter.said.strip() or not steps or not offered:
                     break
                 offer_tools = False  # tools were used but the reply is empty: ask once more for the answer
                 continue
@@ -227,7 +229,11 @@ class AgentLoop:
                         seen_calls.add(key)
                         result = by_name[call.name](call.arguments, ctx)  # ToolUnavailable (ours) propagates
                     yield ToolCallFinished(call.id, call.name, result.ok, result.short(), result.artifacts)
-                    observed, verdict = self.observe(result.text[: self.options.max_observation_chars], turn, where="tool")
+                    if result.text is REPEATED_CALL:  # our own instruction, not tool output: nothing to screen
+                        observed, verdict = REPEATED_CALL, None
+                    else:
+                        observed, verdict = self.observe(result.text[: self.options.max_observation_chars], turn,
+                                                         where="tool")
                     if verdict is not None:
                         yield verdict
                     steps.append(result_message(call.name, observed, call.id))

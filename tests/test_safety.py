@@ -262,3 +262,20 @@ def test_moderation_shape(monkeypatch):
     safety = layer()
     result = safety.moderate("RANSOMWARE now").to_dict()
     assert result["flagged"] and result["categories"]["malware"] and result["category_scores"]["malware"] == 0.99
+
+
+def test_the_loops_own_repeat_note_is_not_screened_as_tool_text(tmp_path, monkeypatch):
+    # The note that replaces a repeated call is an instruction by design; the real injection classifier
+    # scored it 0.998 and the quarantine fence around it sent the 0.5B model into running "untrusted data".
+    from tests.agent_fakes import AddTool
+
+    monkeypatch.setitem(TRIGGERS, "prompt_injection", "already made exactly this call")
+    monkeypatch.setattr("assistant.safety.layer.real_detectors", lambda head_dir=None: detectors())
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    assistant, engine = make_assistant(tmp_path, call, call, "It is 5.", tools=[AddTool()], safety=True)
+    events = list(assistant.turn(None, "2+3"))
+    assert not any(isinstance(e, SafetyVerdict) for e in events)
+    assert "already made exactly this call" in engine.prompts[2][-1]["content"]
+    assert "untrusted data" not in "".join(m["content"] for m in engine.prompts[2])
+    assert events[-1].text == "It is 5."
+    assert len(engine.prompts) == 3  # the output guard held the short answer back; the loop still saw it
