@@ -99,6 +99,7 @@ class TurnState:
         self.parts: list[str] = []
         self.steps: list[dict[str, Any]] = []
         self.quarantined: list[dict[str, Any]] = []  # verdicts of observed text fenced as data
+        self.evidence: list[str] = []  # every text observed this turn (assistant/grounding.py checks against it)
         self.finish, self.model, self.route = "error", "", ""
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = self.dropped = self.num_calls = 0
         self.all_prompt_tokens = self._call_completion = self._call_cached = 0
@@ -152,6 +153,7 @@ class AgentLoop:
     # -- the one door in ------------------------------------------------------------------------
     def observe(self, text: str, turn: TurnState, *, where: str) -> tuple[str, SafetyVerdict | None]:
         """Screen text that is about to enter the context; quarantined text comes back fenced."""
+        turn.evidence.append(text)
         verdict = self.guard.check(text, where=where)
         if verdict.allowed:
             return text, None

@@ -11,8 +11,9 @@ Design note — the turn:
      TurnStarted carries both ids (what a UI needs to cancel, regenerate or edit);
   4. the agent loop (assistant/agent_loop.py) runs the steps; its streamed text is flushed to the
      store every FLUSH_INTERVAL_S;
-  5. finalise: the answer's `[n]` markers are verified against what was retrieved in this turn
-     (Sources), the message is marked `complete` with usage, steps, sources, route and memory in its
+  5. finalise: an answer over documents keeps only sentences whose facts the turn's texts hold
+     (assistant/grounding.py; an answer with none left becomes a refusal), then its `[n]` markers are
+     verified against what was retrieved in this turn (Sources), the message is marked `complete` with usage, steps, sources, route and memory in its
      meta, then Usage and Done.
   Our failures (engine, store, a tool backend that is down) become an Error event plus a Done with
   finish_reason "error"; the stored message keeps whatever text was produced, marked `error`.
@@ -31,6 +32,7 @@ from assistant.config import AssistantConfig
 from assistant.context import MAX_MEMORY_TOKENS
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
+from assistant.grounding import Evidence, ground
 from assistant.events import (Done, Error, ImageDescribed, SafetyVerdict, Sources, Transcribed, TurnEvent,
                               TurnStarted, Usage)
 from assistant.routing import Router
@@ -186,6 +188,12 @@ class Orchestrator:
         if turn.quarantined:
             meta["quarantined"] = turn.quarantined
         final = turn.text
+        if len(turn.ledger) and turn.route != "count" and turn.finish in ("stop", "length"):
+            evidence = [*turn.evidence, user.as_chat()["content"], *(str(m.get("content") or "") for m in chat),
+                        *(p.doc for p in turn.ledger.passages)]
+            grounding = ground(final, Evidence(evidence), turn.ledger.passages)
+            final = grounding.text
+            meta.update(grounding.to_meta())
         if len(turn.ledger) or turn.documents:
             check = verify_citations(final, turn.ledger)
             final = check.text

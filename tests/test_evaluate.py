@@ -213,7 +213,7 @@ def test_unanswerable_items_need_a_refusal_and_refusals_on_answerable_ones_are_c
              _item(id="u2", kind="unanswerable", question="How heavy is the Zephyr X2?"),
              _item(id="a1", kind="lookup", question="warranty period of the Zephyr X2?", must_contain=["7 years"],
                    pages=[3])]
-    assistant, _ = make_assistant(tmp_path, "The documents do not mention its colour.", "It weighs 5 kg.",
+    assistant, _ = make_assistant(tmp_path, "The documents do not mention its colour.", "It is quite heavy.",
                                   "The warranty period is not mentioned.", retriever=FakeRetriever(MANUAL))
     report = evaluate_answers(assistant, items)
     assert [r.correct for r in report.results] == [True, False, False]
@@ -306,7 +306,7 @@ def test_repeat_runs_in_fresh_conversations_and_reports_agreement(tmp_path):
 def test_output_lines_carry_what_a_failure_needs(tmp_path):
     item = _item(id="t1", kind="table", question="warranty period of the Zephyr X2?",
                  must_contain=[["7 years", "seven"]], pages=[3], docs=["zephyr_manual.pdf"])
-    assistant, _ = make_assistant(tmp_path, "The warranty period is 5 years [1].", retriever=FakeRetriever(MANUAL))
+    assistant, _ = make_assistant(tmp_path, "The warranty period of the Zephyr X2 is 40 months [1].", retriever=FakeRetriever(MANUAL))
     line = evaluate_answers(assistant, [item]).results[0].to_dict()
     assert json.loads(json.dumps(line)) == line
     for key in ("id", "kind", "question", "answer", "correct", "cited_pages", "latency_s", "leaked", "missing"):

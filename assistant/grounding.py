@@ -1,0 +1,130 @@
+"""Grounding: an answer to a document question states only the facts the turn's texts hold.
+
+Design note — a fact the model could not have read is one it made up:
+  * Small models asked what the documents do not say answer anyway ("libtasn1 needs OpenSSL 1.1.1 or
+    later", "the spec assigns text/markdown", a made-up `docker run` line), and no prompt wording made
+    the 0.5B model refuse (0 of 9 dev unanswerables). Whether the answer is *supported* is checkable
+    in code, so it is checked in code, after the answer and before it is stored.
+  * The *facts* of an answer are its specific tokens, the ones a reader would act on and a model
+    cannot guess right: numbers and versions (1.1.1, 0x100, 63), identifiers (ASN1_SUCCESS,
+    idn2_to_ascii_8z, mime.cache, text/markdown, --name), ALL-CAPS names, quoted and code spans.
+  * The *evidence* is every text the model was shown for the turn: the passages and tool results
+    that entered through the agent loop's one door (`observe`), the question and the conversation.
+  * A fact is supported when the evidence holds it as a whole word (case-insensitive, whitespace and
+    line-break hyphens folded; a number also as its word, "2" as "two"). A sentence with an
+    unsupported fact is dropped; an answer left with no sentence that states a fact, when some were
+    dropped, becomes a refusal that names the closest passages, so the user knows where to look.
+  * Sentences without facts ("It is a compact purifier.") are left to the citation check
+    (assistant/citations.py), which removes markers no passage supports.
+  * Passage headers the model copied from the context ("[3] manual.pdf p. 8 (section X): …") are
+    removed first: they are the prompt's layout, not an answer, and their file names would count as
+    unsupported facts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from assistant.citations import NUMBER_WORDS, Passage
+
+ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
+                  r"(?:[ \t]*\(section[^)\n]*\))?[ \t]*:[ \t]*", re.I)
+CODE_BLOCK = re.compile(r"```.*?(?:```|$)", re.S)
+FACT = re.compile(
+    r"`[^`\n]+`"  # inline code
+    r"|[A-Za-z0-9_./+-]*\d[A-Za-z0-9_./+-]*"  # numbers, versions, hex, names with digits
+    r"|[A-Za-z0-9_./-]*_[A-Za-z0-9_./-]*"  # snake_case identifiers
+    r"|\b[A-Z][A-Z0-9]{2,}\b"  # ALL-CAPS names
+    r"|[A-Za-z][\w-]*/[\w.+-]+"  # type/subtype, paths
+    r"|(?<![\w-])--?[A-Za-z][\w-]*"  # options
+    r"|\b[A-Za-z]\w*\.[A-Za-z]\w*\b")  # file.ext, module.name
+SENTENCES = re.compile(r"(?<=[.!?])[ \t]+(?=[A-Z`\"'(\[*-])|\n+")
+MARKERS = re.compile(r"\[\d{1,3}(?:\s*,\s*\d{1,3})*\]")
+REFUSAL = "The documents I searched do not say."
+MAX_POINTERS = 3
+ABBREVIATIONS = frozenset({"e.g", "i.e", "etc", "vs", "cf", "a.k.a"})
+
+
+@dataclass(frozen=True)
+class Grounding:
+    text: str  # the answer with unsupported sentences (and copied passage headers) removed
+    unsupported: tuple[str, ...]  # the facts no evidence holds
+    refused: bool  # the whole answer was unsupported and is now a refusal
+
+    def to_meta(self) -> dict:
+        return {"unsupported_facts": list(self.unsupported), "grounding_refusal": self.refused}
+
+
+def strip_echoes(answer: str) -> str:
+    """The answer without passage headers copied from the context ("[2] doc.pdf p. 4: …")."""
+    return ECHO.sub("", answer)
+
+
+def facts(text: str) -> list[str]:
+    """The specific tokens of `text` (see the design note), citation markers left out."""
+    out = []
+    for match in FACT.finditer(MARKERS.sub(" ", text)):
+        token = match.group(0).strip("`'\".,;:()[]")
+        if (len(token) >= 2 or token.isdigit()) and token.lower() not in ABBREVIATIONS:
+            out.append(token)
+    return out
+
+
+class Evidence:
+    """The texts the model was shown, folded for whole-word lookups."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self.text = " " + " ".join(_fold(t) for t in texts if t) + " "
+
+    def holds(self, fact: str) -> bool:
+        folded = _fold(fact)
+        if not folded:
+            return True
+        if re.search(rf"(?<![\w]){re.escape(folded)}(?![\w])", self.text):
+            return True
+        word = {v: k for k, v in NUMBER_WORDS.items()}.get(folded)
+        return word is not None and f" {word} " in self.text
+
+
+def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) -> Grounding:
+    """Drop the sentences of `answer` whose facts the evidence does not hold (see the design note)."""
+    text = strip_echoes(answer)
+    kept, unsupported, stated = [], [], 0
+    for sentence in _sentences(text):
+        missing = [f for f in facts(sentence) if not evidence.holds(f)]
+        if missing:
+            unsupported.extend(missing)
+            continue
+        stated += bool(facts(sentence))
+        kept.append(sentence)
+    if not unsupported:
+        return Grounding(text, (), False)
+    body = " ".join(s.strip() for s in kept if s.strip())
+    if stated == 0:
+        return Grounding(refusal(passages), tuple(dict.fromkeys(unsupported)), True)
+    return Grounding(body, tuple(dict.fromkeys(unsupported)), False)
+
+
+def refusal(passages: Sequence[Passage]) -> str:
+    where = list(dict.fromkeys(f"{p.doc} p. {p.page}" if p.page is not None else p.doc for p in passages))
+    if not where:
+        return REFUSAL
+    return f"{REFUSAL} The closest passages I found are in {', '.join(where[:MAX_POINTERS])}."
+
+
+def _sentences(text: str) -> list[str]:
+    """Sentences and list lines; a fenced code block is one sentence (a made-up command is one claim)."""
+    out, last = [], 0
+    for block in CODE_BLOCK.finditer(text):
+        out += SENTENCES.split(text[last:block.start()]) + [block.group(0)]
+        last = block.end()
+    return [s for s in out + SENTENCES.split(text[last:]) if s and s.strip()]
+
+
+def _fold(text: str) -> str:
+    text = text.replace("\u2019", "'").replace("\u2018", "'").replace("\u201c", '"').replace("\u201d", '"')
+    text = re.sub(r"(\w)-\s*\n\s*(\w)", r"\1\2", text)  # line-break hyphenation
+    text = re.sub(r"(\w)- (\w)", r"\1\2", text)  # the same, after whitespace was folded ("ELE- MENT")
+    return " ".join(text.lower().split())

@@ -1,0 +1,80 @@
+"""Grounding (assistant/grounding.py): an answer over documents keeps only sentences whose specific
+facts the turn's texts hold; one with nothing left becomes a refusal that points at the passages."""
+
+from __future__ import annotations
+
+from assistant.citations import Passage
+from assistant.events import Done, Sources
+from assistant.grounding import REFUSAL, Evidence, facts, ground, strip_echoes
+from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
+
+PASSAGES = [Passage(1, "libtasn1.pdf", 22, "Use the flag ASN1_DECODE_FLAG_ALLOW_PADDING to ignore padding. Since "
+                    "version 4.12 the DER decoder is stricter. The ELE- MENT must not be NULL.", "c1"),
+            Passage(2, "libtasn1.pdf", 8, "asn1Parser -c, --check checks the syntax only; the default weight is fifty.",
+                    "c2")]
+
+
+def evidence(*extra):
+    return Evidence([p.text for p in PASSAGES] + list(extra))
+
+
+def test_facts_are_the_specific_tokens():
+    got = facts("Pass `--check` to asn1Parser 4.12 with ASN1_SUCCESS, mime.cache and text/markdown [2], e.g. now.")
+    assert got == ["--check", "asn1Parser", "4.12", "ASN1_SUCCESS", "mime.cache", "text/markdown"]
+    assert facts("The warranty is long and the device is small.") == []
+
+
+def test_supported_facts_match_whole_words_with_folded_case_hyphens_and_number_words():
+    ev = evidence()
+    assert ev.holds("asn1_decode_flag_allow_padding") and ev.holds("4.12") and ev.holds("--check")
+    assert ev.holds("ELEMENT")  # the line-break hyphen in "ELE- MENT" is folded
+    assert not ev.holds("4.1") and not ev.holds("ASN1_DECODE_FLAG")  # a part of a token is not the token
+    assert Evidence(["the default weight is fifty"]).holds("50") is False  # only small numbers have words
+    assert Evidence(["it takes two seconds"]).holds("2")
+
+
+def test_an_unsupported_answer_becomes_a_refusal_pointing_at_the_passages():
+    g = ground("libtasn1 needs OpenSSL version 1.1.1 or later [1].", evidence("Which OpenSSL does libtasn1 need?"),
+               PASSAGES)
+    assert g.refused and g.unsupported == ("1.1.1",)
+    assert g.text == f"{REFUSAL} The closest passages I found are in libtasn1.pdf p. 22, libtasn1.pdf p. 8."
+
+
+def test_only_the_unsupported_sentence_is_dropped():
+    answer = "Use ASN1_DECODE_FLAG_ALLOW_PADDING [1]. It was added in version 9.9 [1]. It is handy."
+    g = ground(answer, evidence(), PASSAGES)
+    assert not g.refused and g.unsupported == ("9.9",)
+    assert g.text == "Use ASN1_DECODE_FLAG_ALLOW_PADDING [1]. It is handy."
+
+
+def test_a_made_up_command_block_is_one_unsupported_claim():
+    answer = "Run it like this:\n```bash\ndocker run -it --rm dejagnu\n```\nThat starts the tests."
+    g = ground(answer, evidence(), PASSAGES)
+    assert g.refused and "--rm" in g.unsupported
+
+
+def test_answers_without_specific_facts_and_supported_ones_are_left_alone():
+    for answer in ("It checks the syntax only [2].", "The --check option checks the syntax only [2].",
+                   "The documents do not say."):
+        g = ground(answer, evidence(), PASSAGES)
+        assert (g.text, g.unsupported, g.refused) == (answer, (), False)
+
+
+def test_copied_passage_headers_are_removed():
+    echoed = "[2] libtasn1.pdf p. 8 (section Invoking asn1Parser): asn1Parser -c, --check checks the syntax only."
+    assert strip_echoes(echoed) == "asn1Parser -c, --check checks the syntax only."
+    g = ground(echoed, evidence(), PASSAGES)
+    assert g.text == "asn1Parser -c, --check checks the syntax only." and not g.unsupported
+
+
+def test_a_turn_over_documents_refuses_a_made_up_fact_and_cites_nothing(tmp_path):
+    assistant, _ = make_assistant(tmp_path, "The Zephyr X2 weighs 2.5 kg [1].", "The warranty period is 7 years [1].",
+                                  retriever=FakeRetriever(MANUAL))
+    events = list(assistant.turn(None, "How heavy is the Zephyr X2?"))
+    done = events[-1]
+    assert isinstance(done, Done) and done.text.startswith(REFUSAL) and "zephyr_manual.pdf p." in done.text
+    assert not any(isinstance(e, Sources) and e.sources for e in events)
+    stored = assistant.conversations.history(done.conversation_id)[-1]
+    assert stored.content == done.text and stored.meta["unsupported_facts"] == ["2.5"]
+    kept = list(assistant.turn(None, "What is the warranty period of the Zephyr X2?"))[-1]
+    assert kept.text == "The warranty period is 7 years [1]."  # supported: untouched, cited
