@@ -30,7 +30,8 @@ from assistant.events import Source
 
 MARKER = re.compile(r"\[(\d{1,3}(?:\s*,\s*\d{1,3})*)\]")
 MARKER_RUN = re.compile(r"(?<![\w)\]])(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\])+")  # not `a[1]`: that is code
-CODE = re.compile(r"```.*?(?:```|$)|`[^`\n]*`", re.S)  # fenced and inline code is never touched
+CODE = re.compile(r"```.*?(?:```|$)|`[^`\n]*`", re.S)  # fenced and inline code: markers in it are not markers
+FENCED = re.compile(r"```.*?(?:```|$)", re.S)  # a code block gets no inferred marker; a sentence with `code` may
 WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'.-]*[A-Za-z0-9]|[A-Za-z0-9]")
 MIN_SHARED_WORDS = 3  # content words a claim must share with a passage to be supported by it (fewer for short claims)
 MIN_CLAIM_WORDS = 1  # a marker's claim with fewer content words ("…, see [2]") is widened to its sentence
@@ -137,7 +138,11 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
         text = re.sub(r"[ \t]{2,}", " ", text)
     inferred: list[int] = []
     if attribute and words:
-        text, inferred = attribute_sentences(text, ledger.passages, claims)
+        def attribute(prose: str) -> str:
+            attributed, used = attribute_sentences(prose, ledger.passages, claims)
+            inferred.extend(used)
+            return attributed
+        text = _outside_code(text, attribute, FENCED)
     markers = sorted({int(n) for m in MARKER.finditer(_without_code(text)) for n in m.group(1).split(",")} & set(words))
     sources = tuple(_source(ledger.get(n), claims.get(n, "")) for n in markers)  # type: ignore[arg-type]
     really_dropped = sorted(set(dropped) - set(markers))
@@ -180,7 +185,7 @@ def attribute_sentences(answer: str, passages: Iterable[Passage],
     used: list[int] = []
     out: list[str] = []
     for sentence in re.split(r"(?<=[.!?])(\s+)", answer):
-        if not sentence.strip() or MARKER_RUN.search(_without_code(sentence)) or CODE.search(sentence):
+        if not sentence.strip() or MARKER_RUN.search(_without_code(sentence)) or "```" in sentence:
             out.append(sentence)
             continue
         mine = content_words(sentence)
@@ -204,9 +209,9 @@ def _without_code(text: str) -> str:
     return CODE.sub(" ", text)
 
 
-def _outside_code(text: str, edit) -> str:
+def _outside_code(text: str, edit, code: re.Pattern = CODE) -> str:
     out, last = [], 0
-    for m in CODE.finditer(text):
+    for m in code.finditer(text):
         out += [edit(text[last:m.start()]), m.group(0)]
         last = m.end()
     out.append(edit(text[last:]))

@@ -182,3 +182,12 @@ def test_only_pages_the_model_is_shown_can_be_cited():
     assert 1 <= len(shown) < 10 and len(result.text) <= MAX_READ_CHARS + 200
     assert [p.page for p in ctx.sources.passages] == shown  # the cut pages got no marker
     assert f"(pages {list(range(len(shown) + 1, 11))} not shown" in result.text
+
+
+def test_a_sentence_with_inline_code_gets_an_inferred_marker_but_a_code_block_does_not():
+    # 0.5B answers name functions in backticks; before, those sentences were never cited (recall lost)
+    answer = "The `Zephyr X2` warranty period is 7 years.\n```\nZephyr X2 warranty period 7 years\n```\nDone."
+    check = verify_citations(answer, _ledger())
+    assert check.text == ("The `Zephyr X2` warranty period is 7 years [1].\n```\nZephyr X2 warranty period 7 years\n```"
+                          "\nDone.")
+    assert check.inferred_markers == (1,) and [s.page for s in check.sources] == [3]
