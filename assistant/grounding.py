@@ -18,7 +18,7 @@ Design note — a fact the model could not have read is one it made up:
     (assistant/citations.py), which removes markers no passage supports.
   * Passage headers the model copied from the context ("[3] manual.pdf p. 8 (section X): …") are
     removed first: they are the prompt's layout, not an answer, and their file names would count as
-    unsupported facts.
+    unsupported facts. An answer that was only such a header is a refusal too.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 from assistant.citations import NUMBER_WORDS, Passage
 
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
-                  r"(?:[ \t]*\(section[^)\n]*\))?[ \t]*:[ \t]*", re.I)
+                  r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|[ \t.]*$)", re.I | re.M)
 CODE_BLOCK = re.compile(r"```.*?(?:```|$)", re.S)
 FACT = re.compile(
     r"`[^`\n]+`"  # inline code
@@ -91,6 +91,8 @@ class Evidence:
 def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) -> Grounding:
     """Drop the sentences of `answer` whose facts the evidence does not hold (see the design note)."""
     text = strip_echoes(answer)
+    if answer.strip() and not text.strip():  # nothing but a copied passage header: no answer at all
+        return Grounding(refusal(passages), (), True)
     kept, unsupported, stated = [], [], 0
     for sentence in _sentences(text):
         missing = [f for f in facts(sentence) if not evidence.holds(f)]

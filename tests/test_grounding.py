@@ -65,6 +65,8 @@ def test_copied_passage_headers_are_removed():
     assert strip_echoes(echoed) == "asn1Parser -c, --check checks the syntax only."
     g = ground(echoed, evidence(), PASSAGES)
     assert g.text == "asn1Parser -c, --check checks the syntax only." and not g.unsupported
+    bare = ground("[3] shared-mime-info-spec.pdf p. 8", evidence(), PASSAGES)  # a header and nothing else
+    assert bare.text.startswith(REFUSAL)
 
 
 def test_a_turn_over_documents_refuses_a_made_up_fact_and_cites_nothing(tmp_path):
