@@ -12,8 +12,9 @@ Design note — a fact the model could not have read is one it made up:
     that entered through the agent loop's one door (`observe`), the question and the conversation.
   * A fact is supported when the evidence holds it as a whole word (case-insensitive, whitespace and
     line-break hyphens folded; a number also as its word, "2" as "two"). A sentence with an
-    unsupported fact is dropped; an answer left with no sentence that states a fact, when some were
-    dropped, becomes a refusal that names the closest passages, so the user knows where to look.
+    unsupported fact is dropped; an answer left with no sentence that states a fact, or one with more
+    unsupported facts than supported ones ("use this command: <made-up block>"), becomes a refusal
+    that names the closest passages, so the user knows where to look.
   * Sentences without facts ("It is a compact purifier.") are left to the citation check
     (assistant/citations.py), which removes markers no passage supports.
   * Passage headers the model copied from the context ("[3] manual.pdf p. 8 (section X): …") are
@@ -93,18 +94,20 @@ def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) ->
     text = strip_echoes(answer)
     if answer.strip() and not text.strip():  # nothing but a copied passage header: no answer at all
         return Grounding(refusal(passages), (), True)
-    kept, unsupported, stated = [], [], 0
+    kept, unsupported, stated, supported = [], [], 0, 0
     for sentence in _sentences(text):
-        missing = [f for f in facts(sentence) if not evidence.holds(f)]
+        found = facts(sentence)
+        missing = [f for f in found if not evidence.holds(f)]
+        supported += len(found) - len(missing)
         if missing:
             unsupported.extend(missing)
             continue
-        stated += bool(facts(sentence))
+        stated += bool(found)
         kept.append(sentence)
     if not unsupported:
         return Grounding(text, (), False)
     body = " ".join(s.strip() for s in kept if s.strip())
-    if stated == 0:
+    if stated == 0 or len(unsupported) > supported:  # mostly made up: what is left is not worth showing
         return Grounding(refusal(passages), tuple(dict.fromkeys(unsupported)), True)
     return Grounding(body, tuple(dict.fromkeys(unsupported)), False)
 

@@ -51,6 +51,9 @@ def test_a_made_up_command_block_is_one_unsupported_claim():
     answer = "Run it like this:\n```bash\ndocker run -it --rm dejagnu\n```\nThat starts the tests."
     g = ground(answer, evidence(), PASSAGES)
     assert g.refused and "--rm" in g.unsupported
+    mostly = ground("Use version 4.12 with these:\n```\nrun --rm --fast\n```\nIt checks the syntax [2].", evidence(),
+                    PASSAGES)
+    assert mostly.refused and mostly.unsupported == ("--rm", "--fast")  # 2 made up against 1 supported
 
 
 def test_answers_without_specific_facts_and_supported_ones_are_left_alone():
