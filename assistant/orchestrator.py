@@ -13,8 +13,8 @@ Design note — the turn:
      store every FLUSH_INTERVAL_S;
   5. finalise: an answer over documents keeps only sentences whose facts the turn's texts hold
      (assistant/grounding.py; an answer with none left becomes a refusal), then its `[n]` markers are
-     verified against what was retrieved in this turn (Sources), the message is marked `complete` with usage, steps, sources, route and memory in its
-     meta, then Usage and Done.
+     verified against what was retrieved in this turn (Sources), the message is marked `complete`
+     with usage, steps, sources, route and memory in its meta, then Usage and Done.
   Our failures (engine, store, a tool backend that is down) become an Error event plus a Done with
   finish_reason "error"; the stored message keeps whatever text was produced, marked `error`.
   History is the active branch (store.py): `regenerate` answers the last question again as a
@@ -32,9 +32,9 @@ from assistant.config import AssistantConfig
 from assistant.context import MAX_MEMORY_TOKENS
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
-from assistant.grounding import Evidence, ground
 from assistant.events import (Done, Error, ImageDescribed, SafetyVerdict, Sources, Transcribed, TurnEvent,
                               TurnStarted, Usage)
+from assistant.grounding import Evidence, ground
 from assistant.routing import Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
