@@ -199,23 +199,32 @@ def _quiet_transformers() -> None:
 
 
 _VERIFIED: dict[tuple[str, int, int], str] = {}
+_VERIFIED_LOCK = threading.Lock()
+
+
+def cached_sha256(path: Path) -> str:
+    """sha256 of a file, hashed once per (path, size, mtime) in this process (OSError when missing).
+    Every pinned-weights check uses it: the embedder's here, the safety classifiers' (assistant/safety)."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    with _VERIFIED_LOCK:
+        if key not in _VERIFIED:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            _VERIFIED[key] = digest.hexdigest()
+        return _VERIFIED[key]
 
 
 def verify_sha256(path: Path, expected: str) -> None:
     """Refuse weights whose sha256 is not the pinned one (hashed once per file version per process)."""
     try:
-        st = path.stat()
+        got = cached_sha256(path)
     except OSError as e:
         raise ModelError(f"embedder weights missing at {path}: reinstall with {INSTALL_HINT}") from e
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _VERIFIED:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        _VERIFIED[key] = digest.hexdigest()
-    if _VERIFIED[key] != expected:
-        raise ModelError(f"embedder weights at {path} fail the sha256 check (got {_VERIFIED[key][:12]}…, "
+    if got != expected:
+        raise ModelError(f"embedder weights at {path} fail the sha256 check (got {got[:12]}…, "
                          f"want {expected[:12]}…): reinstall with {INSTALL_HINT}")
 
 

@@ -8,10 +8,8 @@ below, and only then loaded. A mismatch raises `ModelError` with the reinstall c
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata as metadata
 import pickle
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +43,6 @@ NANOGUARD_MODEL = PinnedFile("metatronnanoguard", "0.1.0", "nanoguard/assets/mod
 NANOGUARD_TOKENIZER = PinnedFile("metatronnanoguard", "0.1.0", "nanoguard/assets/tokenizer.pkl",
                                  "e81fa2a4d6202a18d05a50dfe8eb101042512056b2d0492c929e8fea4fa02246")
 
-_VERIFIED: dict[tuple[str, int, int], str] = {}
-_LOCK = threading.Lock()
-
-
 def locate(pin: PinnedFile) -> Path:
     """The file inside its installed distribution (nothing is imported to find it)."""
     try:
@@ -62,19 +56,12 @@ def locate(pin: PinnedFile) -> Path:
 
 def sha256_of(path: Path) -> str:
     """sha256 of a file, hashed once per (path, size, mtime) in this process."""
+    from ingest.embed import cached_sha256
+
     try:
-        st = path.stat()
+        return cached_sha256(path)
     except OSError as e:
         raise ModelError(f"Model file {path} is missing: reinstall its package.") from e
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    with _LOCK:
-        if key not in _VERIFIED:
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            _VERIFIED[key] = digest.hexdigest()
-        return _VERIFIED[key]
 
 
 def verified(pin: PinnedFile) -> Path:
