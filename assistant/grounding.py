@@ -45,6 +45,7 @@ SENTENCES = re.compile(r"(?<=[.!?])[ \t]+(?=[A-Z`\"'(\[*-])|\n+")
 MARKERS = re.compile(r"\[\d{1,3}(?:\s*,\s*\d{1,3})*\]")
 REFUSAL = "The documents I searched do not say."
 MAX_POINTERS = 3
+DIGIT_WORDS = {digits: word for word, digits in NUMBER_WORDS.items()}  # "2" -> "two"
 ABBREVIATIONS = frozenset({"e.g", "i.e", "etc", "vs", "cf", "a.k.a"})
 
 
@@ -85,7 +86,7 @@ class Evidence:
             return True
         if re.search(rf"(?<![\w]){re.escape(folded)}(?![\w])", self.text):
             return True
-        word = {v: k for k, v in NUMBER_WORDS.items()}.get(folded)
+        word = DIGIT_WORDS.get(folded)
         return word is not None and f" {word} " in self.text
 
 
