@@ -6,7 +6,7 @@ BIN       := $(VENV)/bin
 PIP       := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP     := $(VENV)/.installed
 DATA_DIR  ?= ./data
-EXTRAS    := engine,ui,ingest,sandbox,postgres,gateway,safety,test
+EXTRAS    := engine,ui,ingest,sandbox,postgres,gateway,safety,media,test
 # Debian packages the product and its tests use (installed only when running as root and missing):
 # Tesseract for OCR, PostgreSQL server binaries for the store test on a real (throwaway) server,
 # g++ and Python headers for the engine's int8 decode kernel (built once into ~/.cache/assistant/native),

@@ -16,6 +16,10 @@ TOML layout (every key optional)::
     port = 7860
     [safety]
     policy = "default"            # or strict, permissive-research; enabled = false turns the guards off
+    [speech]
+    stt_model = "tiny.en"         # or "base", a CTranslate2 Whisper dir; voice = "joe" (Piper)
+    [vision]
+    backend = "efficientnet"      # or "vit" with model = a local ViT/CLIP directory
 
 Environment: `ASSISTANT_DATA_DIR`, `ASSISTANT_MODELS_DIR`, `ASSISTANT_CONFIG` (the TOML path) and
 `ASSISTANT_<SECTION>_<FIELD>` for any section field, e.g. `ASSISTANT_ENGINE_MODEL=large`,
@@ -147,6 +151,29 @@ class SafetyConfig:
 
 
 @dataclass(frozen=True)
+class SpeechConfig:
+    stt_backend: str = "faster-whisper"  # "faster-whisper" (CTranslate2) or "openai-whisper" (a .pt checkpoint)
+    stt_model: str = "tiny.en"  # packaged "tiny.en" | "base", a CTranslate2 Whisper dir, or a .pt for openai-whisper
+    language: str = ""  # spoken language code ("en", "de", ...); "" = the model detects it
+    device: str = "auto"  # "auto" (CUDA when present: float16; else CPU: int8), "cpu", "cuda"
+    num_threads: int = 0  # CPU threads for speech models; 0 = one per two vCPUs
+    max_seconds: float = 600.0  # longest recording accepted; longer ones are refused with a message
+    tts_backend: str = "piper"  # "piper" (ONNX voice) or "coqui" (a coqui-tts model directory)
+    voice: str = "joe"  # packaged Piper voice "joe", a Piper .onnx file, or a coqui model directory
+    speak_answers: bool = False  # speak every answer (front ends can also ask for it per turn)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    backend: str = "efficientnet"  # "efficientnet" (packaged EfficientNet-Lite0) or "vit" (a local ViT/CLIP dir)
+    model: str = "lite0"  # packaged "lite0", or the path of a transformers ViT / CLIP vision directory
+    ocr: bool = True  # read text in pictures with Tesseract
+    ocr_languages: str = "eng"  # Tesseract language codes joined by "+", e.g. "eng+deu"
+    top_k: int = 3  # labels kept in an image's description
+    max_pixels: int = 50_000_000  # larger images are refused (decompression-bomb guard)
+
+
+@dataclass(frozen=True)
 class AssistantConfig:
     data_dir: Path = Path("./data")  # models/, qdrant/, assistant.db, uploads/, logs/ live here
     models_dir: Path | None = None  # prepared models; None = <data_dir>/models (share one across data dirs)
@@ -157,6 +184,8 @@ class AssistantConfig:
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     safety: SafetyConfig = field(default_factory=SafetyConfig)
+    speech: SpeechConfig = field(default_factory=SpeechConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
     # -- derived paths -------------------------------------------------------------------------
     @property
@@ -267,6 +296,21 @@ class AssistantConfig:
         if not self.safety.policy.strip():
             raise ConfigError("safety.policy is empty: use default, strict or permissive-research "
                               "(or safety.enabled = false to turn the guards off).")
+        sp, v = self.speech, self.vision
+        if sp.stt_backend not in ("faster-whisper", "openai-whisper"):
+            raise ConfigError(f"speech.stt_backend={sp.stt_backend!r}: use faster-whisper or openai-whisper.")
+        if sp.tts_backend not in ("piper", "coqui"):
+            raise ConfigError(f"speech.tts_backend={sp.tts_backend!r}: use piper or coqui.")
+        if sp.device not in ("auto", "cpu", "cuda") and not sp.device.startswith("cuda:"):
+            raise ConfigError(f"speech.device={sp.device!r} is not valid: use auto, cpu, cuda or cuda:N.")
+        if sp.max_seconds <= 0 or sp.num_threads < 0:
+            raise ConfigError("speech.max_seconds must be positive and speech.num_threads >= 0 (0 = auto).")
+        if v.backend not in ("efficientnet", "vit"):
+            raise ConfigError(f"vision.backend={v.backend!r}: use efficientnet or vit.")
+        if v.top_k < 1 or v.max_pixels < 1:
+            raise ConfigError("vision.top_k and vision.max_pixels must be at least 1.")
+        if not v.ocr_languages or not all(part.isidentifier() for part in v.ocr_languages.split("+")):
+            raise ConfigError(f"vision.ocr_languages={v.ocr_languages!r}: use Tesseract codes joined by '+', e.g. eng+deu.")
         if not self.system_prompt.strip():
             raise ConfigError("system_prompt is empty: remove the setting to use the default, or write one.")
 

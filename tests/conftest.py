@@ -78,3 +78,18 @@ def models_dir() -> Path:
          f"the prepared default model in {path}",
          "run `make test` or `assistant models prepare` (set ASSISTANT_MODELS_DIR to share it)")
     return path
+
+
+def media_model(name: str) -> Path:
+    """The prepared directory of a packaged speech/vision model ("tiny.en", "base", "joe", "lite0"),
+    prepared on first use into the shared models dir; skip on a laptop without its package, fail in CI."""
+    from assistant.errors import ModelError
+    from assistant.models.media import media_model_dir, resolve_media_model
+
+    spec = resolve_media_model(name)
+    path = Path(os.environ.get("ASSISTANT_MODELS_DIR", REPO_ROOT / "data" / "models")).resolve()
+    try:
+        return media_model_dir(name, path)
+    except ModelError as e:
+        need(False, f"the packaged model {spec.name} ({e})", f"run `make setup` or {spec.install_command}")
+        raise

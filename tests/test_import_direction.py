@@ -1,6 +1,6 @@
 """Imports point one way: front ends (ui/, assistant/server/, the CLI entry) -> assistant core ->
 tools/ ingest/ sandbox/ -> their libraries. Subsystems may use only the core's contract modules
-(errors, events, config, citations, commands). Checked statically on every import statement, lazy
+(errors, events, config, citations, commands, seams). Checked statically on every import statement, lazy
 ones inside functions included, so a reverse import fails here before it can make a cycle."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_ENDS = ("ui", "assistant.server")
 # the core's modules that every layer may import: shared types and the CLI registration helper
-CONTRACTS = ("assistant.errors", "assistant.events", "assistant.config", "assistant.citations", "assistant.commands")
+CONTRACTS = ("assistant.errors", "assistant.events", "assistant.config", "assistant.citations", "assistant.commands",
+             "assistant.seams")
 SUBSYSTEMS = ("tools", "ingest", "sandbox")
 
 
