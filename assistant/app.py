@@ -1,8 +1,8 @@
 """The composition root: `build_assistant(config) -> Assistant`, the one place the app is wired.
 
 It builds the engine(s) and the router, the store, the retriever handle with its prefetch, the tool
-registry, and the guard and modality slots (no-op defaults from assistant/seams.py until their real
-backends plug in), and it owns their lifetimes: `Assistant.close()` closes everything it opened.
+registry, the safety guards, and voice and vision (assistant/modalities.py: the turn's pre-stage and
+the speaker of spoken answers), and it owns their lifetimes: `Assistant.close()` closes everything it opened.
 Every front end (CLI, web chat, terminal, eval, HTTP server, notebook widget) gets an `Assistant`
 and uses only its facade:
 
@@ -12,6 +12,7 @@ and uses only its facade:
     assistant.models          ids / generate (raw completions for /v1) / count_tokens / embed
     assistant.keys · owners · usage   API keys, who owns what, the usage ledger (the gateway's tables)
     assistant.safety          set_policy / policy_of / audit_log / moderate (None with safety.enabled = false)
+    assistant.media           transcribe / speak / describe_image (voice and vision, loaded on first use)
 
 Nothing outside this module reaches into `.engine`, `.store` or the retriever.
 """
@@ -29,6 +30,7 @@ from assistant.engine.base import Engine, Message, SamplingParams, TokenDelta
 from assistant.errors import AssistantError, ConfigError
 from assistant.events import ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.keys import Keys, Owners
+from assistant.modalities import Modalities
 from assistant.orchestrator import Orchestrator
 from assistant.routing import Router
 from assistant.seams import Attachment, InputGuard, PreStage, StreamTransformer, UserInput
@@ -175,6 +177,7 @@ class Assistant:
     usage: UsageLedger | None = None  # one row per API request
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     safety: Any = None  # assistant.safety.layer.SafetyLayer (policies, audit, moderation); None when disabled
+    media: Modalities | None = None  # voice and vision: transcribe / speak / describe (backends load on first use)
 
     def turn(self, conversation_id: str | None, user_input: UserInput | str, *, params: SamplingParams | None = None,
              cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
@@ -219,11 +222,13 @@ class Assistant:
 def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, store: Store | None = None,
                     tools: Sequence[Any] | None = None, retriever: Any = None, code_tool: Any = None,
                     options: AgentOptions | None = None, input_guard: InputGuard | None = None,
-                    transformers: Sequence[StreamTransformer] = (), prestage: PreStage | None = None) -> Assistant:
+                    transformers: Sequence[StreamTransformer] = (), prestage: PreStage | None = None,
+                    media: Modalities | None = None) -> Assistant:
     """Wire the app from `config`. Every argument but `config` replaces one seam's real default (tests
     pass fakes); whatever is built here is closed by `Assistant.close()`, what is passed in is not.
     `tools`: None = the product's tools (documents and the sandboxed `python`); a list = the document
-    tools plus exactly these.
+    tools plus exactly these. `media` (voice and vision, assistant/modalities.py) is the pre-stage and
+    the speaker of spoken answers unless `prestage` replaces the pre-stage.
     Safety (assistant/safety, `[safety]` in the config): unless `safety.enabled` is false, the input guard
     is the configured policy's (an `input_guard` argument replaces it) and the output guard runs first
     among the stream transformers, so what later ones (speech) see is already redacted."""
@@ -259,9 +264,10 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
 
             prefetch = DocumentPrefetch(handle, k=min(config.retrieval.top_k, 4))
         documents = Documents(handle)
+        media = media or Modalities(config)
         orchestrator = Orchestrator(engine, store, config, tools=registry, router=router, options=options,
                                     prefetch=prefetch, input_guard=input_guard, transformers=transformers,
-                                    prestage=prestage,
+                                    prestage=prestage or media, speaker=media.speech_stream,
                                     ingest_files=_ingest_into(documents, Path(config.data_dir) / "uploads"))
     except BaseException:
         for close in reversed(closers):
@@ -269,7 +275,7 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
         raise
     return Assistant(config, orchestrator, Conversations(store), documents, Models(config, router),
                      keys=Keys(store.db, tuple(config.server.tiers)), owners=Owners(store.db),
-                     usage=UsageLedger(store.db), _closers=closers, safety=safety)
+                     usage=UsageLedger(store.db), _closers=closers, safety=safety, media=media)
 
 
 def _safety_layer(config: AssistantConfig, store: Store) -> Any:

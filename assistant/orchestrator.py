@@ -2,7 +2,9 @@
 
 Design note — the turn:
   1. pre-stage: speech becomes the question's text (Transcribed), each image a description that goes
-     into the model's context with the question (ImageDescribed), attached files are ingested;
+     into the model's context with the question (ImageDescribed), attached files are ingested; the
+     recording and the pictures are kept under <data_dir>/uploads/<conversation>/ and named in the
+     user message's meta, so the stored question can be played back and its pictures shown again;
   2. the input guard (bound to the conversation: its safety policy and audit) checks the question
      *before* it is stored; an allowed verdict that names a category is a warning, shown as an event. A blocked question is stored marked
      `blocked` (never shown to the model again), the refusal is stored as the answer, and the turn
@@ -17,6 +19,9 @@ Design note — the turn:
      with usage, steps, sources, route and memory in its meta, then Usage and Done.
   Our failures (engine, store, a tool backend that is down) become an Error event plus a Done with
   finish_reason "error"; the stored message keeps whatever text was produced, marked `error`.
+  Spoken answers: when the input asks for them (`UserInput.speak`, or `speech.speak_answers`), the
+  `speaker` factory adds a sentence-to-speech transformer last in the chain, so it speaks exactly what
+  the user sees (after the output guard) and its AudioChunk events interleave with the text.
   History is the active branch (store.py): `regenerate` answers the last question again as a
   sibling answer, `edit` adds a sibling user message; old branches stay reachable by id.
 """
@@ -24,6 +29,8 @@ Design note — the turn:
 from __future__ import annotations
 
 import threading
+import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from assistant.agent_loop import AgentLoop, AgentOptions, Prefetch, TurnState
@@ -49,7 +56,8 @@ class Orchestrator:
     def __init__(self, engine: Engine, store: Store, config: AssistantConfig, *, tools: ToolRegistry | None = None,
                  router: Router | None = None, options: AgentOptions | None = None, prefetch: Prefetch | None = None,
                  input_guard: InputGuard | None = None, transformers: Sequence[StreamTransformer] = (),
-                 prestage: PreStage | None = None, ingest_files: IngestFiles | None = None) -> None:
+                 prestage: PreStage | None = None, ingest_files: IngestFiles | None = None,
+                 speaker: Callable[[], StreamTransformer] | None = None) -> None:
         self.engine = engine  # the small (default) engine
         self.store = store
         self.config = config
@@ -61,6 +69,7 @@ class Orchestrator:
         self.transformers = list(transformers)
         self.prestage = prestage or NoModalities()
         self.ingest_files = ingest_files
+        self.speaker = speaker  # a fresh sentence-to-speech transformer per spoken answer
 
     def default_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.config.engine.max_new_tokens)
@@ -81,6 +90,7 @@ class Orchestrator:
             yield Done(conversation_id or "", "", "", "error")
             return
         cid = self.store.get_or_create(conversation_id, title=text[:60]).id
+        self._keep_media(cid, turn_input, meta)
         if turn_input.files and self.ingest_files is not None:
             try:
                 yield from self.ingest_files(cid, turn_input.files)
@@ -97,10 +107,10 @@ class Orchestrator:
             yield SafetyVerdict("input", True, verdict.category, verdict.reason, verdict.score, verdict.threshold,
                                 verdict.detector)
         user = self.store.add_message(cid, "user", text, meta=meta)
-        yield from self._answer(cid, user, history, params or self.default_params(), cancel)
+        yield from self._answer(cid, user, history, params or self.default_params(), cancel, speak=turn_input.speak)
 
     def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
-                   cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
+                   cancel: threading.Event | None = None, speak: bool = False) -> Iterator[TurnEvent]:
         """Answer the active branch's last question again; the old answer stays as a sibling."""
         path = self.store.history(conversation_id)
         users = [i for i, m in enumerate(path) if m.role == "user" and m.status != "blocked"]
@@ -108,10 +118,11 @@ class Orchestrator:
             raise StoreError(f"Conversation {conversation_id} has no question to answer again.")
         user = path[users[-1]]
         self.store.set_head(conversation_id, user.id)
-        yield from self._answer(conversation_id, user, path[:users[-1]], params or self.default_params(), cancel)
+        yield from self._answer(conversation_id, user, path[:users[-1]], params or self.default_params(), cancel,
+                                speak=speak)
 
     def edit(self, conversation_id: str, message_id: str, new_text: str, *, params: SamplingParams | None = None,
-             cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
+             cancel: threading.Event | None = None, speak: bool = False) -> Iterator[TurnEvent]:
         """Replace a user message by a new one on a new branch and answer it; the old branch stays."""
         old = self.store.get_message(message_id)
         if old.conversation_id != conversation_id or old.role != "user":
@@ -125,7 +136,7 @@ class Orchestrator:
             return
         user = self.store.add_message(conversation_id, "user", text, parent_id=old.parent_id,
                                       meta={"edited_from": old.id})
-        yield from self._answer(conversation_id, user, history, params or self.default_params(), cancel)
+        yield from self._answer(conversation_id, user, history, params or self.default_params(), cancel, speak=speak)
 
     # -- one turn -------------------------------------------------------------------------------
     def _guard(self, cid: str) -> InputGuard:
@@ -140,7 +151,7 @@ class Orchestrator:
             heard = self.prestage.transcribe(turn_input.audio).strip()
             yield Transcribed(heard)
             text = f"{text}\n{heard}".strip() if text else heard
-            meta["audio"] = {"name": turn_input.audio.name}
+            meta["audio"] = {"name": turn_input.audio.name, "transcript": heard}
         descriptions = []
         for i, image in enumerate(turn_input.images, start=1):
             description = self.prestage.describe(image)
@@ -149,6 +160,23 @@ class Orchestrator:
         if descriptions:
             meta["images"] = descriptions
         return text
+
+    def _keep_media(self, cid: str, turn_input: UserInput, meta: dict[str, Any]) -> None:
+        """Write the turn's recording and pictures under uploads/<conversation>/ and name them in `meta`."""
+        media = [*([turn_input.audio] if turn_input.audio is not None else []), *turn_input.images]
+        if not media:
+            return
+        folder = Path(self.config.data_dir) / "uploads" / cid
+        folder.mkdir(parents=True, exist_ok=True)
+        saved = []
+        for item in media:
+            target = folder / f"{uuid.uuid4().hex[:12]}-{Path(item.name).name or 'upload'}"
+            target.write_bytes(item.read())
+            saved.append(str(target))
+        if turn_input.audio is not None:
+            meta["audio"]["path"] = saved.pop(0)
+        if saved:
+            meta["image_files"] = saved
 
     def _refuse(self, cid: str, text: str, meta: dict[str, Any], verdict: Any) -> Iterator[TurnEvent]:
         reason = verdict.reason or (f"This message was blocked by the safety policy ({verdict.category or 'unsafe'}). "
@@ -163,12 +191,14 @@ class Orchestrator:
         yield Done(cid, answer.id, reason, "blocked")
 
     def _answer(self, cid: str, user: StoredMessage, history: list[StoredMessage], params: SamplingParams,
-                cancel: threading.Event | None) -> Iterator[TurnEvent]:
+                cancel: threading.Event | None, *, speak: bool = False) -> Iterator[TurnEvent]:
         answer = self.store.add_message(cid, "assistant", "", parent_id=user.id, status="partial")
         yield TurnStarted(cid, user.id, answer.id)
         turn = TurnState(cid, SourceLedger())
         chat, ids, memory = _prompt_history(history)
         transformers = [t.for_turn(cid) if hasattr(t, "for_turn") else t for t in self.transformers]
+        if self.speaker is not None and (speak or self.config.speech.speak_answers):
+            transformers.append(self.speaker())
         loop = AgentLoop(self.router, self.tools, self.config, self.options, guard=self._guard(cid),
                          transformers=transformers, prefetch=self.prefetch, summarize=self.summarize)
         try:

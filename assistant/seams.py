@@ -43,6 +43,7 @@ class UserInput:
     audio: Attachment | None = None  # speech; its transcript becomes the user's message
     images: tuple[Attachment, ...] = ()  # pictures; their descriptions enter the model's context
     files: tuple[Attachment, ...] = ()  # documents to ingest before the question is answered
+    speak: bool = False  # also answer in speech (AudioChunk events), whatever the config's default
 
     @classmethod
     def of(cls, value: "UserInput | str") -> "UserInput":

@@ -5,10 +5,11 @@ the emitter's stream transformers (the one place answer text leaves), and the pr
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from assistant.events import (AudioChunk, Done, Error, ImageDescribed, SafetyVerdict, TextDelta, Transcribed,
                               TurnStarted)
-from assistant.seams import Attachment, StreamTransformer, UserInput, Verdict
+from assistant.seams import Attachment, NoModalities, StreamTransformer, UserInput, Verdict
 from tests.agent_fakes import MANUAL, AddTool, FakeRetriever, make_assistant
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -134,6 +135,42 @@ def test_stream_transformers_wrap_the_emitted_text_and_what_is_stored(tmp_path):
     assert stored.content == events[-1].text == "THE [REDACTED] IS 42. BYE."
 
 
+class Speaker(StreamTransformer):
+    """A stand-in for the sentence-to-speech transformer: one AudioChunk per text delta it sees."""
+
+    made = 0
+
+    def __init__(self):
+        Speaker.made += 1
+
+    def feed(self, event):
+        return [event, AudioChunk(22050, event.text.encode())] if isinstance(event, TextDelta) else [event]
+
+
+class FakeMedia:
+    def speech_stream(self):
+        return Speaker()
+
+    def transcribe(self, audio):
+        return "What is the warranty period?"
+
+
+def test_answers_are_spoken_only_when_the_turn_asks_for_it(tmp_path):
+    Speaker.made = 0
+    assistant, _ = make_assistant(tmp_path, ["The secret ", "is 42."], ["Again."], media=FakeMedia())
+    quiet = list(assistant.turn(None, "tell me"))
+    assert not [e for e in quiet if isinstance(e, AudioChunk)] and Speaker.made == 0
+    spoken = list(assistant.turn(quiet[-1].conversation_id, UserInput("and again", speak=True)))
+    audio = [e.pcm16 for e in spoken if isinstance(e, AudioChunk)]
+    assert audio == [b"Again."] and Speaker.made == 1  # a fresh speaker for the spoken answer only
+
+
+def test_the_speaker_speaks_the_guarded_text(tmp_path):
+    assistant, _ = make_assistant(tmp_path, ["The secret ", "is 42."], transformers=[HoldAll()], media=FakeMedia())
+    events = list(assistant.turn(None, UserInput("tell me", speak=True)))
+    assert [e.pcm16 for e in events if isinstance(e, AudioChunk)] == [b"The [redacted] is 42."]
+
+
 def test_text_before_a_tool_call_passes_the_transformers_too(tmp_path):
     assistant, _ = make_assistant(tmp_path, ["Let me add. ", CALL], "It is 5.", tools=[AddTool()],
                                   transformers=[Shout()])
@@ -165,13 +202,17 @@ def test_prestage_turns_speech_and_images_into_the_turn(tmp_path):
     assert isinstance(events[1], ImageDescribed) and "air purifier" in events[1].description
     assert modalities.seen == [("audio", b"RIFF..."), ("image", "unit.jpg")]
     user = assistant.conversations.history(events[-1].conversation_id)[0]
-    assert user.content == "What is the warranty period?" and user.meta["audio"] == {"name": "q.wav"}
+    assert user.content == "What is the warranty period?"
+    assert user.meta["audio"]["name"] == "q.wav" and user.meta["audio"]["transcript"] == user.content
+    kept = [Path(user.meta["audio"]["path"]), *map(Path, user.meta["image_files"])]
+    assert [p.read_bytes() for p in kept] == [b"RIFF...", b"\xff\xd8"]  # the recording and picture are kept
+    assert all(p.parent == tmp_path / "uploads" / user.conversation_id for p in kept)
     prompt_user = [m for m in engine.prompts[0] if m["role"] == "user"][-1]["content"]
     assert "ZEPHYR X2" in prompt_user and prompt_user.endswith("What is the warranty period?")
 
 
 def test_without_a_speech_backend_audio_is_refused_with_a_reason(tmp_path):
-    assistant, engine = make_assistant(tmp_path, "never")
+    assistant, engine = make_assistant(tmp_path, "never", prestage=NoModalities())
     events = list(assistant.turn(None, UserInput(audio=Attachment("q.wav", data=b"x"))))
     assert [type(e) for e in events] == [Error, Done]
     assert "Speech input" in events[0].message and "type the question" in events[0].message
