@@ -81,24 +81,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_models_prepare(args: argparse.Namespace, config: AssistantConfig) -> int:
-    from assistant.models import prepare_model, resolve_model_name
+    from assistant.models import MODELS, prepare_model, resolve_model_name
+    from assistant.models.media import MEDIA_MODELS, prepare_media_model, resolve_media_model
 
-    names = args.names or [config.engine.model]
+    chat_names = {n for s in MODELS.values() for n in (s.name, *s.aliases)}
+    media_names = {n for s in MEDIA_MODELS.values() for n in (s.name, *s.aliases)}
+    configured = [config.speech.stt_model, config.speech.voice, config.vision.model]
+    names = args.names or [config.engine.model, *(n for n in configured if n in media_names)]
     for name in names:
-        path = prepare_model(resolve_model_name(name), config.resolved_models_dir, force=args.force)
+        if name in media_names and name not in chat_names:
+            path = prepare_media_model(resolve_media_model(name), config.resolved_models_dir, force=args.force)
+        else:
+            path = prepare_model(resolve_model_name(name), config.resolved_models_dir, force=args.force)
         print(f"{name}: ready at {path}")
     return 0
 
 
 def _cmd_models_list(args: argparse.Namespace, config: AssistantConfig) -> int:
     from assistant.models import MODELS, prepared_path
+    from assistant.models.media import MEDIA_MODELS, prepared_media_dir
 
-    print(f"{'name':<22} {'aliases':<10} {'prepared':<9} packages")
+    models_dir = config.resolved_models_dir
+    print(f"{'name':<24} {'kind':<15} {'aliases':<9} {'prepared':<9} {'licence':<12} packages")
     for spec in MODELS.values():
-        ready = "yes" if prepared_path(spec, config.resolved_models_dir) else "no"
+        ready = "yes" if prepared_path(spec, models_dir) else "no"
         packages = f"{spec.parts[0].package}..{spec.parts[-1].package.rsplit('-', 1)[-1]}" if len(spec.parts) > 1 else spec.parts[0].package
-        print(f"{spec.name:<22} {','.join(spec.aliases):<10} {ready:<9} {packages}=={spec.parts[0].version}")
-    print(f"models dir: {config.resolved_models_dir}")
+        print(f"{spec.name:<24} {'chat':<15} {','.join(spec.aliases):<9} {ready:<9} {'Apache-2.0':<12} "
+              f"{packages}=={spec.parts[0].version}")
+    for media in MEDIA_MODELS.values():
+        ready = "yes" if prepared_media_dir(media, models_dir) else "no"
+        print(f"{media.name:<24} {media.kind:<15} {','.join(media.aliases):<9} {ready:<9} "
+              f"{media.license.split(' ')[0]:<12} {' '.join(media.packages)}")
+    print(f"models dir: {models_dir}")
     return 0
 
 
