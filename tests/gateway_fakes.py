@@ -17,15 +17,20 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 USER = {"role": "user", "content": "hi"}
 
 
-def make_app(tmp_path, *script: Any, engine: Engine | None = None, **server: Any) -> tuple[Any, Any, Any]:
-    """(assistant, engine, app); `server` overrides server.* settings (tiers as dicts)."""
+def make_app(tmp_path, *script: Any, engine: Engine | None = None, media: Any = None,
+             **server: Any) -> tuple[Any, Any, Any]:
+    """(assistant, engine, app); `server` overrides server.* settings (tiers as dicts); `media` replaces
+    voice and vision (assistant/modalities.py: pass Modalities(config, stt=..., tts=..., describer=...))."""
     from assistant.server.app import create_app
 
     engine = engine or ScriptedEngine(script)
     overrides = {"data_dir": str(tmp_path), "retrieval.embedder": "hash-64",
                  **{f"server.{k}": v for k, v in server.items()}}
     config = AssistantConfig.load(env={}, overrides=overrides)
-    assistant = build_assistant(config, engine=engine, store=Store("sqlite://"), tools=[], options=AgentOptions())
+    if callable(media):
+        media = media(config)
+    assistant = build_assistant(config, engine=engine, store=Store("sqlite://"), tools=[], options=AgentOptions(),
+                                media=media)
     return assistant, engine, create_app(assistant, web_chat=False)
 
 

@@ -1,6 +1,7 @@
 """The server app: one FastAPI application; every route group is declared in `create_app`.
 
     /v1/...          OpenAI-compatible API: chat completions, models, embeddings (assistant/server/openai.py)
+    /v1/audio/...    transcriptions and speech, in OpenAI's shapes (assistant/server/audio.py)
     /api/turns ...   the full assistant turn as server-sent TurnEvents (assistant/server/turns.py)
     /metrics         Prometheus metrics (assistant/server/metrics.py)
     /                the Gradio web chat (ui/gradio_app.py), mounted last
@@ -38,6 +39,10 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
     app.include_router(create_api(assistant.models.engine(), model_name=assistant.models.default,
                                   assistant=assistant, gateway=gateway))
     app.include_router(create_turn_routes(assistant, gateway=gateway))
+    if getattr(assistant, "media", None) is not None:
+        from assistant.server.audio import create_audio_api
+
+        app.include_router(create_audio_api(assistant, gateway))
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:

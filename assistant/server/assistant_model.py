@@ -54,11 +54,13 @@ class TurnTally:
 
 
 def assistant_completion(assistant: Any, messages: list[dict], params: Any, stream: bool, *, ticket: Any = None,
-                         gateway: Any = None, metrics: Any = None) -> Any:
+                         gateway: Any = None, metrics: Any = None, images: list[bytes] = ()) -> Any:
+    """`images`: the last message's pictures, which the turn describes and keeps with the question."""
     from assistant.events import Done, Error, Sources, TextDelta
+    from assistant.seams import Attachment, UserInput
 
     *history, last = messages
-    if last.get("role") != "user" or not str(last.get("content") or "").strip():
+    if last.get("role") != "user" or not (str(last.get("content") or "").strip() or images):
         if ticket is not None:
             ticket.finish("invalid")
         return JSONResponse(error_body("The model `assistant` answers a conversation that ends with a user message.",
@@ -67,7 +69,9 @@ def assistant_completion(assistant: Any, messages: list[dict], params: Any, stre
     if gateway is not None and ticket is not None:
         gateway.claim(ticket.principal, "conversation", conversation_id)
     cancel = threading.Event()
-    events = assistant.turn(conversation_id, str(last["content"]), params=params, cancel=cancel)
+    turn_input = UserInput(str(last["content"]), images=tuple(Attachment(f"image-{i}", data=data)
+                                                            for i, data in enumerate(images, start=1)))
+    events = assistant.turn(conversation_id, turn_input, params=params, cancel=cancel)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     tally = TurnTally(metrics)
     headers = ticket.headers if ticket is not None else {}

@@ -1,5 +1,10 @@
 """OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions (SSE streaming), /v1/embeddings.
 
+Pictures (`image_url` parts with data: URLs) are described by the vision backend (labels, text read)
+and the description goes into the message's text, as for a picture uploaded in the web chat; with the
+model `assistant`, the last message's pictures go into the turn itself (ImageDescribed events, and the
+pictures are kept with the stored message).
+
 Stateless like OpenAI's: the client sends the whole conversation. Streaming and non-streaming share
 one code path (non-streaming drains the same delta iterator; completions.py shapes both, tool calls
 included). The model id `assistant` runs the full turn instead (assistant_model.py).
@@ -33,7 +38,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from assistant.engine.base import Engine
-from assistant.errors import AssistantError, EngineBusy
+from assistant.errors import AssistantError, ConfigError, EngineBusy, ModelError
 from assistant.server.assistant_model import ASSISTANT_MODEL, assistant_completion
 from assistant.server.auth import UNAUTHORIZED
 from assistant.server.completions import Shape, drain, error_body, message_of, sse, status_of, usage_of
@@ -119,14 +124,30 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
         model = req.model or model_name
         if model not in chat_models + ([ASSISTANT_MODEL] if assistant is not None else []) or not principal.may_use(model):
             return _unknown_model(model)
+        pictures = [m.images for m in req.messages]
+        if any(pictures) and getattr(assistant, "media", None) is None:
+            return _error(400, "Pictures need the assistant's vision backend, which this server does not have.",
+                          param="messages")
         ticket = await gateway.admit(request, principal, model, len(raw) // 4 + params.max_tokens)
         if isinstance(ticket, Refusal):
             return _refused(ticket)
         try:
+            messages, last_pictures = req.engine_messages(), []
+            if any(pictures):
+                try:
+                    messages, last_pictures = await run_in_threadpool(
+                        with_descriptions, assistant.media, messages, pictures, model == ASSISTANT_MODEL)
+                except (ModelError, ConfigError) as e:
+                    await run_in_threadpool(ticket.finish, "error")
+                    return _error(500, str(e), "server_error", headers=ticket.headers)
+                except AssistantError as e:  # the picture's fault: not an image, truncated, too large
+                    await run_in_threadpool(ticket.finish, "invalid")
+                    return _error(400, str(e), param="messages", headers=ticket.headers)
             if model == ASSISTANT_MODEL:
-                return await run_in_threadpool(assistant_completion, assistant, req.engine_messages(), params,
-                                               req.stream, ticket=ticket, gateway=gateway, metrics=gateway.metrics)
-            return await _raw_completion(engine_for(model), req, params, model, ticket, gateway, request)
+                return await run_in_threadpool(assistant_completion, assistant, messages, params, req.stream,
+                                               ticket=ticket, gateway=gateway, metrics=gateway.metrics,
+                                               images=last_pictures)
+            return await _raw_completion(engine_for(model), req, messages, params, model, ticket, gateway, request)
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")  # no-op when the response already finished it
             raise
@@ -162,8 +183,27 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
     return router
 
 
-async def _raw_completion(engine: Engine, req: Any, params: Any, model: str, ticket: Ticket, gateway: Gateway,
-                          request: Request) -> Any:
+def with_descriptions(media: Any, messages: list[dict], pictures: list[list[bytes]],
+                      keep_last: bool) -> tuple[list[dict], list[bytes]]:
+    """Each picture's description put before its message's text, as "[image k: ...]" lines (the way a
+    stored message shows its pictures to the model); with `keep_last`, the last message's pictures are
+    returned as they are, for the turn to describe."""
+    out, kept, number = [], [], 0
+    for i, (message, images) in enumerate(zip(messages, pictures)):
+        if keep_last and i == len(messages) - 1:
+            out.append(message)
+            kept = list(images)
+            continue
+        lines = []
+        for data in images:
+            number += 1
+            lines.append(f"[image {number}: {media.describe_image(data, name=f'image-{number}').compact()}]")
+        out.append({**message, "content": "\n".join([*lines, message["content"]])} if lines else message)
+    return out, kept
+
+
+async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params: Any, model: str, ticket: Ticket,
+                          gateway: Gateway, request: Request) -> Any:
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     shape = Shape.of(req, cid, model)
 
@@ -173,7 +213,7 @@ async def _raw_completion(engine: Engine, req: Any, params: Any, model: str, tic
         return _error(status, message, type_, param, headers={**ticket.headers, **(headers or {})})
 
     try:  # the chat template and tokenising run here: off the event loop
-        deltas = await run_in_threadpool(engine.generate, shape.messages(req.engine_messages()), params,
+        deltas = await run_in_threadpool(engine.generate, shape.messages(messages), params,
                                          tools=req.engine_tools())
     except EngineBusy as e:
         return await refuse(503, str(e), "overloaded", ledger="busy", headers={"retry-after": "1"})

@@ -2,21 +2,30 @@
 
 The models are strict (no "0.7" for a number, no "5" for a seed, no 1 for a stop string), floats must
 be finite (Python's json accepts NaN and Infinity), and unknown fields are ignored like OpenAI's
-optional extras. `parse_chat_request(raw_bytes)` returns a `ChatCompletionRequest` or raises
+optional extras. Content may be a list of parts: text parts are joined, `image_url` parts must be
+`data:image/...;base64,` URLs (the server never fetches from the network) and are decoded into the
+message's `images` (bytes), which the API describes with the vision backend before the model sees them.
+`parse_chat_request(raw_bytes)` returns a `ChatCompletionRequest` or raises
 `RequestError` with the OpenAI error fields (message, param) for an HTTP 400.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from assistant.engine.base import SamplingParams
 
 MAX_TOKENS_DEFAULT = 512
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_IMAGES = 8  # pictures per request
+DATA_URL = re.compile(r"data:(image/[\w.+-]+)?(;[\w-]+=[^;,]*)*;base64,(.*)", re.S)
 
 
 class RequestError(ValueError):
@@ -56,6 +65,23 @@ class Message(_Strict):
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
 
+    _images: list[bytes] = PrivateAttr(default_factory=list)
+
+    @property
+    def images(self) -> list[bytes]:
+        """The decoded pictures of this message's `image_url` parts, in order."""
+        return self._images
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_images(cls, data: Any, handler: Any) -> "Message":
+        message = handler(data)  # `content` is checked (and its text parts joined) by the field validator
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            message._images = _split_parts(data["content"])[1]
+            if message._images and message.role != "user":
+                raise ValueError("only user messages may carry images")
+        return message
+
     @field_validator("content", mode="before")
     @classmethod
     def _join_text_parts(cls, value: Any) -> Any:
@@ -63,15 +89,7 @@ class Message(_Strict):
             return value
         if not isinstance(value, list):
             raise ValueError("content must be a string or a list of content parts")
-        texts = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"content part {i} has type {kind!r}: only text parts are supported")
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"content part {i} needs a string 'text'")
-            texts.append(part["text"])
-        return "".join(texts)
+        return _split_parts(value)[0]
 
     @model_validator(mode="after")
     def _content_present(self) -> "Message":
@@ -92,6 +110,39 @@ class Message(_Strict):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _split_parts(parts: list[Any]) -> tuple[str, list[bytes]]:
+    """(joined text, decoded pictures) of a content-part list; ValueError names the bad part."""
+    texts, images = [], []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} needs a string 'text'")
+            texts.append(part["text"])
+        elif kind == "image_url":
+            images.append(_data_url_image(part.get("image_url"), i))
+        else:
+            raise ValueError(f"content part {i} has type {kind!r}: use text or image_url parts")
+    return "".join(texts), images
+
+
+def _data_url_image(value: Any, index: int) -> bytes:
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise ValueError(f"content part {index}: image_url needs a 'url' string")
+    match = DATA_URL.fullmatch(url.strip())
+    if match is None:
+        raise ValueError(f"content part {index}: only data: URLs (data:image/png;base64,...) are accepted; this "
+                         "server works offline and never fetches a picture from the network")
+    try:
+        data = base64.b64decode(match.group(3), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"content part {index}: the image's base64 data is not valid ({e})") from None
+    if not data:
+        raise ValueError(f"content part {index}: the image is empty")
+    return data
 
 
 class FunctionSpec(_Strict):
@@ -142,6 +193,13 @@ class ChatCompletionRequest(_Strict):
     tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None  # accepted; the model may make several calls either way
     response_format: Optional[ResponseFormat] = None
+
+    @model_validator(mode="after")
+    def _few_images(self) -> "ChatCompletionRequest":
+        count = sum(len(m.images) for m in self.messages)
+        if count > MAX_IMAGES:
+            raise ValueError(f"{count} images were sent; at most {MAX_IMAGES} per request are accepted")
+        return self
 
     @field_validator("tool_choice")
     @classmethod
