@@ -3,7 +3,9 @@
 Unit tests need no model: round trips through every format with a generated tone, every kind of bad
 input, the hallucination filter on hand-made segments, the lazy/locked backend flow with a fake.
 Tests marked `real` transcribe speech made by the packaged Piper voice with the packaged Whisper
-models (tiny.en, base once) and load a small randomly initialised openai-whisper checkpoint.
+models (tiny.en, base once), load a small randomly initialised openai-whisper checkpoint, and run
+tiny.en converted from CTranslate2 to openai-whisper's layout (the converter's unit test inverts
+CTranslate2's own writer on a random model, float16 and int8).
 """
 
 from __future__ import annotations
@@ -313,12 +315,12 @@ def test_base_detects_english_and_transcribes(speech):
 
 @pytest.fixture(scope="module")
 def random_checkpoint(tmp_path_factory):
-    """A randomly initialised openai-whisper model with a tiny shape (1 layer, 64 wide, 64-token text
+    """A randomly initialised openai-whisper model with a tiny shape (1 layer, 64 wide, 16-token text
     context so that random decoding stops soon), saved as .pt."""
     torch = pytest.importorskip("torch")
     whisper_model = pytest.importorskip("whisper.model")
     dims = whisper_model.ModelDimensions(n_mels=80, n_audio_ctx=1500, n_audio_state=64, n_audio_head=2,
-                                         n_audio_layer=1, n_vocab=51864, n_text_ctx=64, n_text_state=64,
+                                         n_audio_layer=1, n_vocab=51864, n_text_ctx=16, n_text_state=64,
                                          n_text_head=2, n_text_layer=1)
     torch.manual_seed(0)
     model = whisper_model.Whisper(dims)
@@ -353,3 +355,97 @@ def test_a_bad_checkpoint_is_a_model_error(tmp_path, content):
     stt = create_stt("openai-whisper", path, device="cpu")
     with pytest.raises(ModelError, match="Cannot load the Whisper checkpoint"):
         stt.transcribe(encode_audio(tone(1.0, 16000), 16000, "wav"))
+
+
+# -- CTranslate2 -> openai-whisper conversion ------------------------------------------------------
+def _ct2_spec(model):
+    """An openai-whisper model as CTranslate2's own Whisper converter lays it out (fused projections)."""
+    from ctranslate2.specs import whisper_spec
+
+    sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}  # CTranslate2 quantizes in place
+    d = model.dims
+    spec = whisper_spec.WhisperSpec(d.n_audio_layer, d.n_audio_head, d.n_text_layer, d.n_text_head)
+
+    def put(layer, name, fuse=(), bias=True):
+        names = fuse or (name,)
+        layer.weight = np.concatenate([sd[f"{n}.weight"] for n in names])
+        if bias:
+            layer.bias = np.concatenate([sd.get(f"{n}.bias", np.zeros(sd[f"{n}.weight"].shape[0], np.float32))
+                                         for n in names])
+
+    def norm(layer, name):
+        layer.gamma, layer.beta = sd[f"{name}.weight"], sd[f"{name}.bias"]
+
+    enc, dec = spec.encoder, spec.decoder
+    put(enc.conv1, "encoder.conv1"), put(enc.conv2, "encoder.conv2"), norm(enc.layer_norm, "encoder.ln_post")
+    enc.position_encodings.encodings = sd["encoder.positional_embedding"]
+    dec.embeddings.weight = dec.projection.weight = sd["decoder.token_embedding.weight"]
+    dec.position_encodings.encodings = sd["decoder.positional_embedding"]
+    norm(dec.layer_norm, "decoder.ln")
+    for side, layers in (("encoder", enc.layer), ("decoder", dec.layer)):
+        for i, layer in enumerate(layers):
+            b = f"{side}.blocks.{i}"
+            put(layer.self_attention.linear[0], "", fuse=(f"{b}.attn.query", f"{b}.attn.key", f"{b}.attn.value"))
+            put(layer.self_attention.linear[1], f"{b}.attn.out"), norm(layer.self_attention.layer_norm, f"{b}.attn_ln")
+            put(layer.ffn.linear_0, f"{b}.mlp.0"), put(layer.ffn.linear_1, f"{b}.mlp.2")
+            norm(layer.ffn.layer_norm, f"{b}.mlp_ln")
+            if side == "decoder":
+                put(layer.attention.linear[0], f"{b}.cross_attn.query")
+                put(layer.attention.linear[1], "", fuse=(f"{b}.cross_attn.key", f"{b}.cross_attn.value"))
+                put(layer.attention.linear[2], f"{b}.cross_attn.out")
+                norm(layer.attention.layer_norm, f"{b}.cross_attn_ln")
+    return spec
+
+
+@pytest.mark.parametrize("quantization", ["float16", "int8"])
+def test_ct2_reader_and_converter_invert_ctranslate2s_writer(tmp_path, quantization):
+    torch = pytest.importorskip("torch")
+    whisper_model = pytest.importorskip("whisper.model")
+    pytest.importorskip("ctranslate2")
+    from tools.whisper_convert import read_ct2_model, to_openai_checkpoint
+
+    dims = whisper_model.ModelDimensions(n_mels=80, n_audio_ctx=20, n_audio_state=32, n_audio_head=2, n_audio_layer=2,
+                                         n_vocab=100, n_text_ctx=16, n_text_state=32, n_text_head=2, n_text_layer=2)
+    torch.manual_seed(0)
+    model = whisper_model.Whisper(dims)
+    with torch.no_grad():
+        model.decoder.positional_embedding.normal_(0.0, 0.02)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and ".key." not in name:
+                p.normal_(0.0, 0.1)  # nonzero biases, so a misplaced one shows
+    spec = _ct2_spec(model)
+    spec.register_vocabulary([f"token{i}" for i in range(dims.n_vocab)])
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    spec.save(str(tmp_path))  # CTranslate2's own writer: model.bin, config.json, vocabulary.json
+
+    name, variables = read_ct2_model(tmp_path / "model.bin")
+    checkpoint = to_openai_checkpoint(variables)
+    assert name == "WhisperSpec" and checkpoint["dims"] == asdict(dims)
+    restored = whisper_model.Whisper(whisper_model.ModelDimensions(**checkpoint["dims"]))
+    restored.load_state_dict(checkpoint["model_state_dict"])  # strict: every tensor present, none extra
+    for key, original in model.state_dict().items():
+        got = restored.state_dict()[key]
+        assert torch.allclose(got, original, atol=float(original.abs().max()) / 60 + 1e-3), key
+    mel, tokens = torch.randn(1, 80, 40), torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = model(mel, tokens)  # logits (1, 3, n_vocab)
+        assert torch.allclose(restored(mel, tokens), expected, atol=0.02 * float(expected.abs().max()))
+
+
+def test_reading_a_non_ct2_file_is_a_model_error(tmp_path):
+    from tools.whisper_convert import convert_ct2_to_openai
+
+    (tmp_path / "model.bin").write_bytes(b"\x06\x00\x00\x00garbage")
+    with pytest.raises(ModelError, match="Cannot read the CTranslate2 model"):
+        convert_ct2_to_openai(tmp_path, tmp_path / "out.pt")
+
+
+@pytest.mark.real
+def test_converted_tiny_en_runs_on_openai_whisper(tmp_path, speech):
+    pytest.importorskip("whisper")
+    from tools.whisper_convert import convert_ct2_to_openai
+
+    checkpoint = convert_ct2_to_openai(media_model("tiny.en"), tmp_path / "tiny.en.pt")
+    transcript = create_stt("openai-whisper", checkpoint, device="cpu").transcribe(encode_audio(*speech, "wav"))
+    assert word_error_rate(SENTENCE, transcript.text) <= 0.3, transcript.text

@@ -135,7 +135,8 @@ def _check_language(language: str, model: str, multilingual: bool, known: Iterab
         raise ConfigError(f"The speech model {model} understands only English, but language {language!r} was asked "
                           "for: set [speech] language to \"en\" (or \"\"), or use a multilingual model such as base.")
     if language not in set(known):
-        raise ConfigError(f"Unknown speech language {language!r}: use a code such as en, de, fr, es (or \"\" to detect).")
+        raise ConfigError(f"Unknown speech language {language!r}: "
+                          "use a code such as en, de, fr, es (or \"\" to detect).")
     return language
 
 
@@ -251,7 +252,8 @@ class OpenAIWhisperSTT(_LazyModel):
         super().__init__()
         self.checkpoint = Path(checkpoint).expanduser().resolve()
         if not self.checkpoint.is_file():
-            raise ModelError(f"Whisper checkpoint {self.checkpoint} does not exist: set [speech] stt_model to a .pt file.")
+            raise ModelError(f"Whisper checkpoint {self.checkpoint} does not exist: "
+                             "set [speech] stt_model to a .pt file.")
         self.device, self.language, self.vad = _check_device(device), language, vad
         self.num_threads = num_threads  # unused: torch's thread pool is process-wide (the chat engine's)
         self.max_seconds = max_seconds
@@ -305,7 +307,8 @@ def create_stt(backend: str, model_path: Path, **kw: Any) -> SpeechToText:
     """A speech-to-text backend by name: "faster-whisper" (a CTranslate2 dir) or "openai-whisper" (a .pt).
     kw: device, language, num_threads, max_seconds, vad (see the classes)."""
     if backend not in BACKENDS:
-        raise ConfigError(f"Unknown speech backend {backend!r}: set [speech] stt_backend to one of {', '.join(BACKENDS)}.")
+        raise ConfigError(f"Unknown speech backend {backend!r}: "
+                          f"set [speech] stt_backend to one of {', '.join(BACKENDS)}.")
     model_path = Path(model_path)
     if backend == "openai-whisper" and model_path.is_dir():
         raise ConfigError(f"{model_path} is a directory, but the openai-whisper backend loads a .pt checkpoint file: "
