@@ -252,6 +252,9 @@ def test_create_stt_errors(tmp_path):
     with pytest.raises(ModelError, match="does not exist"):
         create_stt("openai-whisper", tmp_path / "model.pt")
     (tmp_path / "model.bin").write_bytes(b"not a ctranslate2 model")
+    with pytest.raises(ModelError, match="no tokenizer.json"):
+        create_stt("faster-whisper", tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ConfigError, match="device 'tpu'"):
         create_stt("faster-whisper", tmp_path, device="tpu")
     stt = create_stt("faster-whisper", tmp_path, device="cpu")  # lazy: nothing is read yet

@@ -44,6 +44,7 @@ SILENCE_DBFS = -60.0  # audio whose loudest 30 ms frame is quieter than this hol
 NOISE_SPREAD_DB = 6.0  # energy gate without VAD: frames this close in loudness are steady noise
 FRAME = 480  # 30 ms at 16 kHz
 DEVICES = ("auto", "cpu", "cuda")
+REQUIRED_FILES = ("model.bin", "tokenizer.json")  # of a CTranslate2 Whisper directory
 
 
 @dataclass(frozen=True)
@@ -205,9 +206,10 @@ class FasterWhisperSTT(_LazyModel):
                  max_seconds: float = 600.0, vad: bool = True, beam_size: int = 5) -> None:
         super().__init__()
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "model.bin").is_file():
-            raise ModelError(f"{self.model_dir} is not a CTranslate2 Whisper model (no model.bin): set [speech] "
-                             "stt_model to tiny.en, base or such a directory.")
+        missing = [f for f in REQUIRED_FILES if not (self.model_dir / f).is_file()]
+        if missing:  # without tokenizer.json faster-whisper would fetch one from the hub
+            raise ModelError(f"{self.model_dir} is not a CTranslate2 Whisper model (no {' or '.join(missing)}): "
+                             "set [speech] stt_model to tiny.en, base or such a directory.")
         self.device, self.language, self.vad = _check_device(device), language, vad
         self.num_threads = num_threads or max(1, (os.cpu_count() or 2) // 2)
         self.max_seconds, self.beam_size = max_seconds, beam_size
