@@ -1,8 +1,10 @@
 """Parse: a file on disk → `ParsedDocument`, a list of 1-based `Page`s of plain text with headings.
 
 PDF pages keep their real page numbers (PyMuPDF); pages without a text layer, and image files, go
-through Tesseract OCR. Formats without pages (Markdown, plain text, HTML, DOCX) are one page, page 1,
-and chunks locate themselves inside it by character offsets. Headings are (char offset, title) pairs
+through Tesseract OCR; given `describe_image` (e.g. tools.vision's `ImageDescriber.document_text`;
+ingest never imports an image model itself), an image's page also says what the picture shows.
+Formats without pages (Markdown, plain text, HTML, DOCX) are one page, page 1, and chunks locate
+themselves inside it by character offsets. Headings are (char offset, title) pairs
 per page: from the PDF outline when it has one, else from font sizes (a line set noticeably larger
 than the page's body text); `#` lines in Markdown; <h1>-<h6> in HTML; "Heading N" styles in DOCX.
 
@@ -13,12 +15,14 @@ print "Skipping X: reason" and go on with the next one.
 from __future__ import annotations
 
 import collections
+import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Callable
 
 from ingest.errors import IngestError, UnsupportedFile
 
@@ -35,6 +39,8 @@ HEADING_SIZE_RATIO = 1.15  # a line this much larger than the body font is a hea
 MAX_HEADING_CHARS = 120
 OCR_DPI = 300
 OCR_INSTALL_HINT = "install Tesseract: apt-get install tesseract-ocr tesseract-ocr-eng"
+
+DescribeImage = Callable[[Path], str]  # image file -> text to index: what it shows and the text read in it
 
 
 @dataclass
@@ -61,7 +67,8 @@ def is_supported(path: Path) -> bool:
     return path.suffix.lower() in SUPPORTED_SUFFIXES
 
 
-def parse_file(path: str | Path, *, ocr_languages: str = "eng") -> ParsedDocument:
+def parse_file(path: str | Path, *, ocr_languages: str = "eng",
+               describe_image: DescribeImage | None = None) -> ParsedDocument:
     """Read one file into pages. Raises IngestError/UnsupportedFile with a per-file reason."""
     path = Path(path)
     suffix = path.suffix.lower()
@@ -77,7 +84,7 @@ def parse_file(path: str | Path, *, ocr_languages: str = "eng") -> ParsedDocumen
     if suffix in PDF_SUFFIXES:
         doc = parse_pdf(path, ocr_languages=ocr_languages)
     elif suffix in IMAGE_SUFFIXES:
-        doc = ParsedDocument(path, "image", [Page(1, ocr_image_file(path, ocr_languages), ocr=True)])
+        doc = parse_image(path, ocr_languages=ocr_languages, describe_image=describe_image)
     elif suffix in DOCX_SUFFIXES:
         doc = parse_docx(path)
     else:
@@ -182,6 +189,23 @@ def _text_and_font_headings(page_dict: dict) -> tuple[str, list[tuple[int, str]]
     return "".join(parts), headings
 
 
+# -- images -------------------------------------------------------------------------------------
+
+
+def parse_image(path: Path, *, ocr_languages: str = "eng", describe_image: DescribeImage | None = None) -> ParsedDocument:
+    """One page: the text OCR reads in the picture or, with `describe_image`, its description plus that
+    text, so "which picture showed a cat?" finds a photo without any text in it. If the describer
+    fails (model missing, a bug) the page falls back to OCR alone and says why in a warning."""
+    if describe_image is not None:
+        try:
+            return ParsedDocument(path, "image", [Page(1, _clean(describe_image(path)), ocr=True)])
+        except Exception as e:  # noqa: BLE001 - the text in the picture is still worth indexing
+            doc = ParsedDocument(path, "image", [Page(1, ocr_image_file(path, ocr_languages), ocr=True)])
+            doc.warnings.append(f"no picture description ({e}); indexed the text read in it only")
+            return doc
+    return ParsedDocument(path, "image", [Page(1, ocr_image_file(path, ocr_languages), ocr=True)])
+
+
 # -- OCR ----------------------------------------------------------------------------------------
 
 
@@ -189,17 +213,21 @@ def tesseract_available() -> bool:
     return shutil.which("tesseract") is not None
 
 
-def ocr_png(png: bytes, languages: str = "eng") -> str:
-    """Run Tesseract on PNG bytes (stdin → stdout)."""
+def ocr_png(png: bytes, languages: str = "eng", *, output: str = "txt", timeout_s: float = 300,
+            threads: int = 0) -> str:
+    """Run Tesseract on PNG bytes (stdin → stdout). output: "txt" (plain text) or "tsv" (one row per
+    word with its box and confidence 0-100). threads: OpenMP threads for Tesseract, 0 = its default
+    (all cores); 1 beside other CPU work, where its spinning threads can make it 3x slower."""
     if not tesseract_available():
         raise IngestError(f"no text layer and OCR is unavailable: {OCR_INSTALL_HINT}")
+    env = {**os.environ, "OMP_THREAD_LIMIT": str(threads)} if threads else None
     try:
         done = subprocess.run(
-            ["tesseract", "stdin", "stdout", "-l", languages, "--psm", "3"],
-            input=png, capture_output=True, timeout=300, check=False,
+            ["tesseract", "stdin", "stdout", "-l", languages, "--psm", "3", *([output] if output != "txt" else [])],
+            input=png, capture_output=True, timeout=timeout_s, check=False, env=env,
         )
     except subprocess.TimeoutExpired as e:
-        raise IngestError("OCR timed out after 300 s") from e
+        raise IngestError(f"OCR timed out after {timeout_s:g} s") from e
     if done.returncode != 0:
         err = done.stderr.decode(errors="replace").strip().splitlines()
         raise IngestError(f"OCR failed: {err[-1] if err else 'tesseract exit ' + str(done.returncode)} "

@@ -34,7 +34,7 @@ from ingest.chunk import Chunk, Chunker
 from ingest.embed import Bm25Encoder, Embedder
 from ingest.errors import DocumentNotFound, IngestError
 from ingest.index_base import IndexPoint, Not, VectorIndex
-from ingest.parse import is_supported, parse_file
+from ingest.parse import DescribeImage, is_supported, parse_file
 
 POINT_NAMESPACE = uuid.UUID("6b1d3a58-3f0e-4bb6-9a57-2f4f3c1e9d10")
 OPTIMIZE_MIN_POINTS = 20_000  # below this a plain (brute-force) Edge segment answers in a few ms anyway
@@ -93,16 +93,19 @@ class Ingester:
     """Writes documents into one collection; see the module NOTE for the crash-safety protocol."""
 
     def __init__(self, index: VectorIndex, embedder: Embedder, chunker: Chunker, *, sparse: Bm25Encoder | None = None,
-                 batch_size: int = 32, ocr_languages: str = "eng", recover: bool = True) -> None:
+                 batch_size: int = 32, ocr_languages: str = "eng", recover: bool = True,
+                 describe_image: DescribeImage | None = None) -> None:
         if index.dim != embedder.dim:
             raise ValueError(f"index holds {index.dim}-d vectors but the embedder makes {embedder.dim}-d ones")
         self.index, self.embedder, self.chunker = index, embedder, chunker
         self.sparse = sparse or Bm25Encoder()
         self.batch_size, self.ocr_languages = batch_size, ocr_languages
+        self.describe_image = describe_image  # image file -> description + text read (see ingest.parse.parse_image)
         self.recovered = self.recover() if recover else 0
 
     @classmethod
-    def from_config(cls, config, collection: str | None = None, *, num_threads: int | None = None) -> "Ingester":
+    def from_config(cls, config, collection: str | None = None, *, num_threads: int | None = None,
+                    describe_image: DescribeImage | None = None) -> "Ingester":
         from ingest.embed import load_embedder
         from ingest.index import open_index
 
@@ -111,7 +114,8 @@ class Ingester:
         embedder = load_embedder(r.embedder, num_threads=threads, batch_size=r.embed_batch_size, lazy=True)
         chunker = Chunker(embedder.tokenize, chunk_tokens=r.chunk_tokens, overlap_tokens=r.chunk_overlap)
         index = open_index(config, embedder.dim, collection)
-        return cls(index, embedder, chunker, batch_size=r.embed_batch_size, ocr_languages=r.ocr_languages)
+        return cls(index, embedder, chunker, batch_size=r.embed_batch_size, ocr_languages=r.ocr_languages,
+                   describe_image=describe_image)
 
     # -- ledger ---------------------------------------------------------------------------------
     def record(self, doc_id: str) -> dict | None:
@@ -169,7 +173,7 @@ class Ingester:
             old = self.record(doc_id)
             if old and old.get("committed") == version and not old.get("dirty"):
                 return FileResult(path, "unchanged", doc_id, old.get("num_pages", 0), old.get("num_chunks", 0))
-            parsed = parse_file(abspath, ocr_languages=self.ocr_languages)
+            parsed = parse_file(abspath, ocr_languages=self.ocr_languages, describe_image=self.describe_image)
             progress("pages", len(parsed.pages))
             chunks = self.chunker.split(parsed)
             if not chunks:

@@ -168,15 +168,16 @@ class Retriever:
                 break
         return out
 
-    def ingester(self, *, chunk_tokens: int = 200, overlap_tokens: int = 30):
+    def ingester(self, *, chunk_tokens: int = 200, overlap_tokens: int = 30, describe_image=None):
         """An `Ingester` writing into this retriever's collection: a process that serves searches
         (the UI) must ingest uploads through it, because an Edge shard has one owner process. It shares
-        this retriever's index: close the retriever, not the ingester."""
+        this retriever's index: close the retriever, not the ingester. `describe_image` (image file ->
+        text) makes a picture's page say what it shows, not only the text read in it."""
         from ingest.chunk import Chunker
         from ingest.pipeline import Ingester
 
         chunker = Chunker(self.embedder.tokenize, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens)
-        return Ingester(self.index, self.embedder, chunker, sparse=self.sparse)
+        return Ingester(self.index, self.embedder, chunker, sparse=self.sparse, describe_image=describe_image)
 
     def documents(self) -> list[dict]:
         """Ledger records of every committed document (path, file_name, doc_id, num_pages, …)."""
