@@ -86,8 +86,9 @@ class Documents:
     """The user's document library: ingestion goes through the retriever's own index, because an
     embedded index has one owner process (the one that also answers searches)."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, describe_image: Callable[[Path], str] | None = None) -> None:
         self._handle = handle  # tools.retrieval.RetrieverHandle, or None when ingest/ is not installed
+        self._describe_image = describe_image  # image file -> what it shows + text read (indexed with it)
 
     @property
     def available(self) -> bool:
@@ -102,7 +103,7 @@ class Documents:
         """Ingest files; yields one ingest.pipeline.FileResult per file (failed ones say why)."""
         from ingest.pipeline import expand_paths
 
-        ingester = self._retriever().ingester()
+        ingester = self._retriever().ingester(describe_image=self._describe_image)
         try:
             yield from ingester.ingest(expand_paths(paths), on_progress)
         finally:
@@ -263,8 +264,9 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
             from tools.retrieval import DocumentPrefetch
 
             prefetch = DocumentPrefetch(handle, k=min(config.retrieval.top_k, 4))
-        documents = Documents(handle)
         media = media or Modalities(config)
+        # the describer loads on the first picture ingested, not before
+        documents = Documents(handle, describe_image=lambda path: media.describer.document_text(path))
         orchestrator = Orchestrator(engine, store, config, tools=registry, router=router, options=options,
                                     prefetch=prefetch, input_guard=input_guard, transformers=transformers,
                                     prestage=prestage or media, speaker=media.speech_stream,

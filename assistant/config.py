@@ -158,8 +158,8 @@ class SpeechConfig:
     device: str = "auto"  # "auto" (CUDA when present: float16; else CPU: int8), "cpu", "cuda"
     num_threads: int = 0  # CPU threads for speech models; 0 = one per two vCPUs
     max_seconds: float = 600.0  # longest recording accepted; longer ones are refused with a message
-    tts_backend: str = "piper"  # "piper" (ONNX voice) or "coqui" (a coqui-tts model directory)
-    voice: str = "joe"  # packaged Piper voice "joe", a Piper .onnx file, or a coqui model directory
+    tts_backend: str = "piper"  # "piper" (ONNX voices); Coqui cannot run beside the CPU torch here (README)
+    voice: str = "joe"  # packaged Piper voice "joe", or a Piper .onnx file (with its .onnx.json beside it)
     speak_answers: bool = False  # speak every answer (front ends can also ask for it per turn)
 
 
@@ -299,8 +299,12 @@ class AssistantConfig:
         sp, v = self.speech, self.vision
         if sp.stt_backend not in ("faster-whisper", "openai-whisper"):
             raise ConfigError(f"speech.stt_backend={sp.stt_backend!r}: use faster-whisper or openai-whisper.")
-        if sp.tts_backend not in ("piper", "coqui"):
-            raise ConfigError(f"speech.tts_backend={sp.tts_backend!r}: use piper or coqui.")
+        if sp.tts_backend == "coqui":
+            raise ConfigError("speech.tts_backend=\"coqui\" is not available: Coqui TTS needs torchaudio, and the only "
+                              "torchaudio wheels to be had here are CUDA builds that do not load beside the CPU torch "
+                              "(see README, Voice and pictures). Use piper.")
+        if sp.tts_backend != "piper":
+            raise ConfigError(f"speech.tts_backend={sp.tts_backend!r}: use piper.")
         if sp.device not in ("auto", "cpu", "cuda") and not sp.device.startswith("cuda:"):
             raise ConfigError(f"speech.device={sp.device!r} is not valid: use auto, cpu, cuda or cuda:N.")
         if sp.max_seconds <= 0 or sp.num_threads < 0:

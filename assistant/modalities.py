@@ -74,7 +74,8 @@ class Modalities:
                 from tools.tts import create_tts
             except ImportError as e:
                 raise _needs("Spoken answers", e) from e
-            return create_tts(sp.tts_backend, model_path(sp.voice, self.config.resolved_models_dir), device=sp.device)
+            return create_tts(sp.tts_backend, model_path(sp.voice, self.config.resolved_models_dir), device=sp.device,
+                              num_threads=sp.num_threads)
 
         return self._tts if self._tts is not None else self._once("_tts", build)
 

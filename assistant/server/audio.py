@@ -68,11 +68,15 @@ def create_audio_api(assistant: Any, gateway: Gateway) -> APIRouter:
 
         default = config.speech.stt_model if kind == "speech-to-text" else config.speech.voice
         openai_ids = OPENAI_STT if kind == "speech-to-text" else OPENAI_TTS
-        name = default if requested in openai_ids or not requested else requested
-        spec = next((s for s in MEDIA_MODELS.values() if s.kind == kind and name in (s.name, *s.aliases)), None)
+        def packaged(name: str) -> Any:
+            return next((s for s in MEDIA_MODELS.values() if s.kind == kind and name in (s.name, *s.aliases)), None)
+
+        if requested in openai_ids or not requested or requested == default:
+            return assistant.media, (packaged(default).name if packaged(default) else default)
+        spec = packaged(requested)
         if spec is None:
             return None
-        if name == default:
+        if packaged(default) is spec:
             return assistant.media, spec.name
         field = "stt_model" if kind == "speech-to-text" else "voice"
         if spec.name not in media_by_model:
@@ -117,7 +121,10 @@ def create_audio_api(assistant: Any, gateway: Gateway) -> APIRouter:
         language = str(form.get("language") or "") or None
         try:
             transcript = await run_in_threadpool(media.transcript, data, name=upload.filename or "", language=language)
-        except (ModelError, ConfigError) as e:
+        except ConfigError as e:  # a language the model does not know is the request's; anything else is ours
+            await run_in_threadpool(ticket.finish, "invalid" if language else "error")
+            return _error(400, str(e), "language") if language else _error(500, str(e), type_="server_error")
+        except ModelError as e:
             await run_in_threadpool(ticket.finish, "error")
             return _error(500, str(e), type_="server_error")
         except AssistantError as e:  # the recording's fault: empty, not audio, too long
