@@ -142,3 +142,34 @@ def test_audio_endpoints_need_a_key_when_keys_are_configured(tmp_path):
         ok = httpx.post(f"{url}/v1/audio/speech", json={"model": "tts-1", "input": "Hi.", "response_format": "wav"},
                         headers=bearer("sk-one"))
         assert ok.status_code == 200 and ok.headers["content-type"] == "audio/wav"
+
+
+def _sse(body: str) -> list[tuple[str, dict]]:
+    import json
+
+    out = []
+    for block in body.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_the_turn_endpoint_takes_a_recording_and_pictures_and_streams_speech(served):
+    served.engine.add("It is a toaster. It toasts.")
+    body = {"audio": {"name": "q.webm", "data": base64.b64encode(b"webm bytes").decode()},
+            "images": [{"name": "t.png", "data": PNG}], "speak": True}
+    r = httpx.post(f"{served.url}/api/turns", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    events = _sse(r.text)
+    kinds = [k for k, _ in events]
+    assert kinds[:2] == ["transcribed", "image_described"] and kinds[-1] == "done"
+    audio = [d for k, d in events if k == "audio"]
+    assert audio and all(len(base64.b64decode(a["pcm16_b64"])) == a["num_bytes"] == 3200 for a in audio)
+    assert served.tts.said == ["It is a toaster.", "It toasts."]
+    assert served.stt.heard == [(b"webm bytes", "q.webm", None)]
+
+
+def test_the_turn_endpoint_wants_something_to_answer(served):
+    assert httpx.post(f"{served.url}/api/turns", json={"text": "  "}).status_code == 422
+    bad = httpx.post(f"{served.url}/api/turns", json={"audio": {"name": "q.wav", "data": "***"}})
+    assert bad.status_code == 422 and "base64" in bad.text

@@ -27,7 +27,7 @@ from tests.conftest import media_model
 from tools import audio as audio_mod
 from tools.audio import AUDIO_MIME, AudioError, decode_audio, encode_audio
 from tools.speech import (FasterWhisperSTT, OpenAIWhisperSTT, Segment, Transcript, _check_language, _LazyModel,
-                          create_stt, filter_segments, is_silent, speech_chunks)
+                          create_stt, filter_segments, is_silent, speech_chunks, word_error_rate)
 
 CODEC_FORMATS = ["mp3", "opus", "ogg", "webm", "flac", "aac", "m4a"]
 SENTENCE = "The quick brown fox jumps over the lazy dog. Please remind me to water the plants tomorrow morning."
@@ -41,17 +41,6 @@ def tone(seconds: float = 2.0, sample_rate: int = 22050, hz: float = 440.0, ampl
 def peak_hz(samples: np.ndarray, sample_rate: int) -> float:
     spectrum = np.abs(np.fft.rfft(samples))
     return float(np.fft.rfftfreq(len(samples), 1 / sample_rate)[spectrum.argmax()])
-
-
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    """Word-level edit distance / reference length, after lowercasing and dropping punctuation."""
-    ref, hyp = (re.sub(r"[^\w\s']", " ", s.lower()).split() for s in (reference, hypothesis))
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1] / max(1, len(ref))
 
 
 def test_word_error_rate():

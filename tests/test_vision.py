@@ -168,12 +168,22 @@ def test_kind_cues_tell_photos_drawings_and_documents():
     assert kind_of(pixel_cues(photo_like(size=(40, 30))), None) == "image"  # too small to call it a photo
 
 
-def test_ocr_is_skipped_on_a_picture_without_print(monkeypatch):
+def test_ocr_is_skipped_on_a_picture_without_print_when_only_the_cli_is_there(monkeypatch):
     monkeypatch.setattr(vision, "read_text", lambda *a: pytest.fail("OCR ran on a picture with no sign of text"))
+    monkeypatch.setattr(vision, "ocr_is_cheap", lambda languages: False)
     with ImageDescriber(FakeEncoder(), ocr=True) as d:
         assert not pixel_cues(photo_like()).maybe_text and not pixel_cues(shapes()).maybe_text
         assert d.describe(encoded(photo_like())).ocr == "skipped"
         assert d.describe(encoded(shapes())).compact().endswith("no text seen")
+
+
+def test_in_process_ocr_reads_every_picture_because_the_cues_miss_large_print(monkeypatch):
+    seen = []
+    monkeypatch.setattr(vision, "read_text", lambda image, languages: seen.append(image.size) or "OPEN 9 TO 6")
+    monkeypatch.setattr(vision, "ocr_is_cheap", lambda languages: True)
+    with ImageDescriber(FakeEncoder(), ocr=True) as d:
+        described = d.describe(encoded(photo_like()))
+    assert seen and described.ocr == "done" and described.text == "OPEN 9 TO 6"
 
 
 def test_ocr_runs_beside_the_encoder(monkeypatch):

@@ -34,7 +34,7 @@ from assistant.errors import ConfigError, ModelError
 from tools.audio import decode_audio
 
 __all__ = ["FasterWhisperSTT", "OpenAIWhisperSTT", "Segment", "SpeechToText", "Transcript", "create_stt",
-           "filter_segments", "is_silent", "keep_segment", "speech_chunks"]
+           "filter_segments", "is_silent", "keep_segment", "speech_chunks", "word_error_rate"]
 
 SAMPLE_RATE = 16000  # what every Whisper model hears
 NO_SPEECH_PROB = 0.6  # a segment the model thinks is not speech ...
@@ -303,6 +303,17 @@ class OpenAIWhisperSTT(_LazyModel):
 
 # -- choosing one ----------------------------------------------------------------------------------
 BACKENDS = {"faster-whisper": FasterWhisperSTT, "openai-whisper": OpenAIWhisperSTT}
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """Word-level edit distance / reference length, after lowercasing and dropping punctuation."""
+    ref, hyp = (re.sub(r"[^\w\s']", " ", s.lower()).split() for s in (reference, hypothesis))
+    row = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        prev, row[0] = row[0], i
+        for j, h in enumerate(hyp, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
+    return row[-1] / max(1, len(ref))
 
 
 def create_stt(backend: str, model_path: Path, **kw: Any) -> SpeechToText:

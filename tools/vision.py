@@ -11,11 +11,12 @@ Pieces, in the order `ImageDescriber.describe` uses them:
   * `ImageEncoder`   the seam: `encode(image) -> (top labels, embedding)`. `EfficientNetEncoder` is the
                      packaged EfficientNet-Lite0 (ImageNet labels, 1280-d); `ViTEncoder` takes a user's
                      local transformers ViT / CLIP directory;
-  * OCR              Tesseract through ingest.parse, in the calling thread while the encoder runs in a
-                     worker (the subprocess and torch both release the GIL);
+  * OCR              tools/ocr.py (Tesseract in-process, or its CLI), in the calling thread while the
+                     encoder runs in a worker (both release the GIL);
   * `pixel_cues`     a few milliseconds of numpy: flat fills and print-like tiles, behind `kind` and
-                     behind skipping OCR on a picture that shows no sign of text (a photo would cost
-                     Tesseract's ~120 ms start-up and ~50 ms more to read nothing).
+                     behind skipping OCR on a picture that shows no sign of text when only the CLI is
+                     there (~170 ms to read nothing; in-process OCR costs ~25 ms and always runs, since
+                     the cues miss large print such as a sign in a photo).
 
 NOTE on vision-language models. Labels from a 1000-class classifier are a stopgap: the text the chat
 model reads is `compact()`, which says how sure the classifier is and never states a guess as fact.
@@ -40,6 +41,8 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from assistant.errors import AssistantError, ConfigError, ModelError
+from tools.ocr import cheap as ocr_is_cheap
+from tools.ocr import confident_lines, read_text  # noqa: F401  (read_text is the describer's OCR)
 
 __all__ = ["EfficientNetEncoder", "ImageDescriber", "ImageDescription", "ImageEncoder", "ImageError", "PixelCues",
            "ViTEncoder", "create_describer", "load_image", "pixel_cues"]
@@ -50,10 +53,6 @@ LABELS_FILE = Path(__file__).with_name("data") / "imagenet_classes.txt"  # 1000 
 LIKELY_SCORE = 0.5  # a top label at least this probable is "likely"; below, the description says "unclear"
 MIN_SHOWN_SCORE = 0.05  # labels less probable than this are left out (the first one never is)
 MAX_QUOTED_CHARS = 300  # of the text read, quoted in compact()
-OCR_MIN_LINE_CONFIDENCE = 60.0  # Tesseract's mean word confidence (0-100) below which a line is noise
-OCR_TIMEOUT_S = 30.0
-OCR_MAX_SIDE = 3000  # larger pictures are shrunk before OCR (Tesseract time grows with the area)
-OCR_MIN_SIDE = 12  # smaller pictures hold no readable text (and Tesseract refuses them)
 DEVICES = ("auto", "cpu", "cuda")
 EXIF_ORIENTATION = 0x0112
 TRANSPOSE_FOR_ORIENTATION = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
@@ -224,54 +223,6 @@ def kind_of(cues: PixelCues, text: str | None) -> str:
     return "image"
 
 
-# -- OCR ----------------------------------------------------------------------------------------
-
-
-def read_text(image: Image.Image, languages: str = "eng") -> str:
-    """Text in the picture, by Tesseract (one thread: it runs beside the encoder); lines whose words
-    Tesseract itself doubts (texture read as letters) are dropped. Raises ingest's IngestError."""
-    from ingest.parse import ocr_png
-
-    width, height = image.size
-    if min(width, height) < OCR_MIN_SIDE:
-        return ""
-    if max(width, height) > OCR_MAX_SIDE:
-        scale = OCR_MAX_SIDE / max(width, height)
-        image = image.resize((round(width * scale), round(height * scale)), Image.BILINEAR, reducing_gap=2.0)
-    png = io.BytesIO()
-    image.save(png, "PNG", compress_level=1)  # colour: Tesseract's own greying finds text that ours lost
-    return confident_lines(ocr_png(png.getvalue(), languages, output="tsv", timeout_s=OCR_TIMEOUT_S, threads=1))
-
-
-def confident_lines(tsv: str) -> str:
-    """Tesseract TSV -> text: words grouped into lines; a line is kept when both its words and its
-    block's words have a mean confidence of OCR_MIN_LINE_CONFIDENCE (texture read as letters comes
-    in blocks of doubtful one-word lines); blocks are separated by a blank line."""
-    lines: dict[tuple[int, int, int], list[tuple[float, str]]] = {}
-    for row in tsv.splitlines()[1:]:
-        cols = row.split("\t")
-        if len(cols) < 12 or cols[0] != "5" or not cols[11].strip():
-            continue
-        key = (int(cols[2]), int(cols[3]), int(cols[4]))  # block, paragraph, line
-        lines.setdefault(key, []).append((float(cols[10]), cols[11].strip()))
-    blocks: dict[int, list[float]] = {}
-    for (block, _, _), words in lines.items():
-        blocks.setdefault(block, []).extend(conf for conf, _ in words)
-    out, last_block = [], None
-    for (block, _, _), words in lines.items():
-        line_conf = sum(conf for conf, _ in words) / len(words)
-        if min(line_conf, float(np.mean(blocks[block]))) < OCR_MIN_LINE_CONFIDENCE:
-            continue
-        text = " ".join(w for _, w in words if any(c.isalnum() for c in w))
-        if not text:
-            continue
-        if last_block is not None and block != last_block:
-            out.append("")
-        out.append(text)
-        last_block = block
-    return "\n".join(out)
-
-
 # -- the description ----------------------------------------------------------------------------
 
 Labels = tuple[tuple[str, float], ...]  # (name, probability), most probable first
@@ -370,7 +321,7 @@ class ImageDescriber:
         encoding = self._workers.submit(self.encoder.encode, image)
         cues = pixel_cues(image)
         text, status = "", "off"
-        if read == "always" or (read == "auto" and cues.maybe_text):
+        if read == "always" or (read == "auto" and (cues.maybe_text or ocr_is_cheap(self.ocr_languages))):
             text, status = self._read(image)
         elif read == "auto":
             status = "skipped"

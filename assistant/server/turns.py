@@ -1,8 +1,11 @@
 """The assistant over HTTP: a turn streams its TurnEvents as server-sent events.
 
-    POST /api/turns                      {"text": ..., "conversation_id"?: ..., "max_tokens"?: ...}
+    POST /api/turns                      {"text": ..., "conversation_id"?: ..., "max_tokens"?: ...,
+                                          "audio"?: {"name", "data": base64}, "images"?: [{"name", "data"}],
+                                          "speak"?: bool}
                                          -> text/event-stream, one `event: <type>` + `data: <json>` per
-                                            TurnEvent (`event.to_dict()`), ending with `done`
+                                            TurnEvent (`event.to_dict()`), ending with `done`; `audio`
+                                            events carry the speech as base64 s16le (`pcm16_b64`)
     POST /api/turns/{message_id}/cancel  stop a running turn (its id is TurnStarted.message_id)
     GET  /api/conversations/{id}         the stored active branch (messages with their meta)
 
@@ -17,29 +20,66 @@ The gateway applies here as on /v1 (gateway.py): a key (401), its rate limits (4
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import threading
 from typing import Any, Iterator
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from assistant.errors import AssistantError, StoreError
-from assistant.events import TurnEvent, TurnStarted
+from assistant.events import AudioChunk, TurnEvent, TurnStarted
+from assistant.seams import Attachment, UserInput
 from assistant.server.auth import key_checker
 from assistant.server.streaming import ClosingStreamingResponse
 
 
+class FilePart(BaseModel):
+    name: str = Field(min_length=1, max_length=255, description="file name, e.g. question.webm")
+    data: str = Field(description="the file's bytes, base64")
+
+    @field_validator("data")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            if not base64.b64decode(value, validate=True):
+                raise ValueError("the file is empty")
+        except binascii.Error as e:
+            raise ValueError(f"data is not valid base64 ({e})") from None
+        return value
+
+    def attachment(self) -> Attachment:
+        return Attachment(self.name, data=base64.b64decode(self.data))
+
+
 class TurnRequest(BaseModel):
-    text: str = Field(min_length=1, max_length=100_000, description="the user's message")
+    text: str = Field(default="", max_length=100_000, description="the user's message ('' when audio carries it)")
     conversation_id: str | None = Field(default=None, description="continue this conversation (default: a new one)")
     max_tokens: int | None = Field(default=None, ge=1, le=32768, description="answer length limit")
+    audio: FilePart | None = Field(default=None, description="the question spoken: its transcript becomes the message")
+    images: list[FilePart] = Field(default_factory=list, max_length=8, description="pictures the question is about")
+    speak: bool = Field(default=False, description="also answer in speech (`audio` events)")
+
+    @model_validator(mode="after")
+    def _something_to_answer(self) -> "TurnRequest":
+        if not self.text.strip() and self.audio is None and not self.images:
+            raise ValueError("send `text`, or `audio` with the spoken question, or `images`")
+        return self
+
+    def user_input(self) -> UserInput:
+        return UserInput(self.text, self.audio.attachment() if self.audio else None,
+                         tuple(i.attachment() for i in self.images), speak=self.speak)
 
 
 def sse(event: TurnEvent) -> str:
-    return f"event: {event.type}\ndata: {json.dumps(event.to_dict(), default=str)}\n\n"
+    data = event.to_dict()
+    if isinstance(event, AudioChunk):
+        data["pcm16_b64"] = base64.b64encode(event.pcm16).decode()
+    return f"event: {event.type}\ndata: {json.dumps(data, default=str)}\n\n"
 
 
 class RunningTurns:
@@ -93,10 +133,11 @@ def create_turn_routes(assistant: Any, api_keys: tuple[str, ...] = (), gateway: 
         params = assistant.default_params(**({"max_tokens": body.max_tokens} if body.max_tokens else {}))
         conversation_id = body.conversation_id
         if not conversation_id:  # created here, so that it belongs to the caller's key from the start
-            conversation_id = await run_in_threadpool(assistant.conversations.start, (), title=body.text[:60])
+            title = body.text[:60] or ("spoken question" if body.audio else "pictures")
+            conversation_id = await run_in_threadpool(assistant.conversations.start, (), title=title)
             await run_in_threadpool(gateway.claim, principal, "conversation", conversation_id)
         cancel = threading.Event()
-        events = assistant.turn(conversation_id, body.text, params=params, cancel=cancel)
+        events = assistant.turn(conversation_id, body.user_input(), params=params, cancel=cancel)
         return ClosingStreamingResponse(_stream(events, running, cancel, ticket, gateway.metrics),
                                  media_type="text/event-stream", headers=ticket.headers)
 
