@@ -246,7 +246,7 @@ def main() -> int:
           f"baseline, classify then the tesseract CLI: {vision['describe_sequential_cli_p50_ms']:.0f} ms "
           f"(ratio {vision['describe_p50_ms'] / vision['describe_sequential_cli_p50_ms']:.2f}); "
           f"read {vision['describe_text_read']!r} (ocr {vision['describe_ocr']}), labels {vision['describe_labels']}")
-    print(f"Describe photo without text (OCR skipped): p50 {vision['describe_photo_p50_ms']:.0f} ms, labels "
+    print(f"Describe photo without text (OCR runs, reads nothing): p50 {vision['describe_photo_p50_ms']:.0f} ms, labels "
           f"{vision['describe_photo_labels']}; OCR off: {vision['describe_no_ocr_p50_ms']:.0f} ms")
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
     return 0
