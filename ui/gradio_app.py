@@ -1,157 +1,422 @@
 """The Gradio web chat: a thin renderer of the turn's event stream, over the `Assistant` facade
-(assistant/app.py). The server (assistant/server/app.py) mounts it at /.
+(assistant/app.py). The server (assistant/server/app.py) mounts it at / with `mount_web_chat`, which
+adds the login screen when API keys are configured; ui/render.py turns events into what is shown.
 
 Each browser session (and each `gradio_client.Client`) keeps its conversation id in a `gr.State`, so
-a conversation continues across turns and is stored server-side; the Chatbot only renders. API
-endpoints (for gradio_client and scripts):
+a conversation continues across turns and is stored server-side; the Chatbot only renders. Who is
+calling is the `username` Gradio gets from the login (a key id; "" for the open server's local user),
+and every handler applies the gateway's ownership rule (render.may_see) to the conversations it reads.
+API endpoints (for gradio_client and scripts):
   /chat   (message, history) -> (cleared textbox, history)   streaming, used by the web page
   /ask    (message) -> answer text                            streaming, same conversation state
   /new_chat () -> ()                                          start a new conversation
   /conversation () -> conversation id                         the session's current conversation ("" if none)
   /resume (conversation id) -> history                        continue a stored conversation (after a restart)
   /regenerate () -> history                                   answer the last question again (new branch)
-Tool steps and the turn's token accounting show in the status line; verified sources are listed under
-the answer they belong to.
+  /stop   () -> ()                                            cancel the session's running answer in the engine
 """
 
-from __future__ import annotations
-
+import io
+import mimetypes
+import secrets
+import threading
+import wave
+from pathlib import Path
 from typing import Any, Iterator
 
-from assistant.config import AssistantConfig
 from assistant.errors import AssistantError
-from assistant.events import Done, Error, Notice, Sources, TextDelta, ToolCallFinished, ToolCallStarted, Usage
+from assistant.events import TurnStarted
+from assistant.seams import Attachment, UserInput
+from ui.render import (TurnView, conversation_label, history_messages, library_markdown, may_see, usage_meter,
+                       visible_conversations)
 
 TITLE = "Offline Assistant"
+LOCAL_USER = "local"  # the login's user name for the open server's key-less user
+COOKIE = "assistant-web-session"
+AUDIO_SUFFIXES = {".wav", ".mp3", ".ogg", ".oga", ".webm", ".flac", ".m4a", ".opus"}
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff"}
+DOCUMENT_TYPES = [".pdf", ".docx", ".md", ".txt", ".html", ".htm", "image", "audio"]
+
+CSS = """
+#status { min-height: 1.5em; font-size: .9em; opacity: .85 }
+.usage-meter { display: flex; gap: .5em; align-items: center; font-size: .8em; flex-wrap: wrap }
+.usage-meter .bar { width: 8em; height: .5em; background: #8883; border-radius: .25em; overflow: hidden }
+.usage-meter .bar span { display: block; height: 100%; background: #3a7 }
+.usage-meter .bar.mid span { background: #c90 } .usage-meter .bar.high span { background: #c33 }
+@media (max-width: 480px) {
+  .gradio-container { padding: 4px !important }
+  #controls { flex-wrap: wrap } #controls > * { min-width: 30% !important }
+  #chat { height: 55vh !important }
+}
+"""
+
+# Esc stops the running answer (Enter sends and Shift+Enter adds a line: the textbox's own keys).
+HEAD = """<script>
+document.addEventListener('keydown', (e) => {
+  if (e.key === 'Escape') { const b = document.querySelector('#stop'); if (b) b.click(); }
+});
+</script>"""
 
 
-def _stream_answer(assistant: Any, message: str, conversation_id: str | None, *,
-                   events: Any = None) -> Iterator[tuple[str, str | None, str]]:
-    """Yield (answer so far, conversation id, status line) while the turn runs."""
-    answer, status, sources = "", "", ""
-    stream = events if events is not None else assistant.turn(conversation_id, message)
-    for event in stream:
-        if isinstance(event, TextDelta):
-            answer += event.text
-        elif isinstance(event, (Error, Notice)):
-            status = event.message
-            if isinstance(event, Error):
-                answer += f"\n\n**Error:** {event.message}"
-        elif isinstance(event, ToolCallStarted):
-            status = f"Running {event.name}..."
-        elif isinstance(event, ToolCallFinished):
-            status = f"{event.name}: {'ok' if event.ok else 'failed'}, {event.summary}"
-        elif isinstance(event, Sources):
-            sources = format_sources(event)
-        elif isinstance(event, Usage):
-            status = f"{event.prompt_tokens} prompt + {event.completion_tokens} answer tokens of {event.context_window}"
-            parts = [f"{name.replace('_', ' ')} {event.breakdown[name]}" for name in ("tools", "memory", "history",
-                     "retrieved", "tool_steps") if event.breakdown.get(name)]
-            if parts:
-                status += f" (prompt: {', '.join(parts)})"
-            if event.num_steps > 1:
-                status += f" in {event.num_steps} steps"
-            if event.dropped_messages:
-                status += f" ({event.dropped_messages} old messages left out)"
-        elif isinstance(event, Done):
-            conversation_id = event.conversation_id
-            answer = (event.text if event.finish_reason != "error" else answer) + sources  # verified markers only
-        yield answer, conversation_id, status
+def key_id_of(request: Any) -> str:
+    """The caller's key id from Gradio's login ("" for the local user of an open server)."""
+    user = getattr(request, "username", None) if request is not None else None
+    return "" if user in (None, "", LOCAL_USER) else str(user)
 
 
-def format_sources(event: Sources) -> str:
-    if not event.sources:
-        return ""
-    lines = [f"- [{s.marker}] {s.doc}" + (f", p. {s.page}" if s.page is not None else "") for s in event.sources]
-    return "\n\n**Sources**\n" + "\n".join(lines)
+def split_attachments(paths: list[str]) -> tuple[Attachment | None, tuple[Attachment, ...], tuple[Attachment, ...]]:
+    """The textbox's files as (recording, pictures, documents)."""
+    audio, images, files = None, [], []
+    for p in paths:
+        path = Path(p)
+        item = Attachment(path.name, path=path, mime_type=mimetypes.guess_type(path.name)[0] or "")
+        suffix = path.suffix.lower()
+        if suffix in AUDIO_SUFFIXES and audio is None:
+            audio = item
+        elif suffix in IMAGE_SUFFIXES:
+            images.append(item)
+        else:
+            files.append(item)
+    return audio, tuple(images), tuple(files)
 
 
-def render_history(conversations: Any, conversation_id: str | None) -> list[dict]:
-    """The active branch of a stored conversation as Chatbot messages (sources under each answer)."""
-    if not conversation_id:
-        return []
-    out = []
-    for m in conversations.history(conversation_id):
-        if m.role not in ("user", "assistant"):
-            continue
-        content = m.content
-        cited = m.meta.get("sources", []) if m.meta else []
-        if cited:
-            content += "\n\n**Sources**\n" + "\n".join(
-                f"- [{c['marker']}] {c['doc']}" + (f", p. {c['page']}" if c.get("page") is not None else "") for c in cited)
-        out.append({"role": m.role, "content": content})
-    return out
+def wav_bytes(chunks: list[Any]) -> bytes:
+    """AudioChunk events (16-bit mono PCM) as one WAV file, for the streaming player."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(chunks[0].sample_rate)
+        w.writeframes(b"".join(c.pcm16 for c in chunks))
+    return buffer.getvalue()
+
+
+class WebChat:
+    """The handlers behind the page, over one Assistant (each a plain method, testable without a browser)."""
+
+    def __init__(self, assistant: Any) -> None:
+        self.assistant = assistant
+        self._cancels: dict[str, threading.Event] = {}  # browser session -> its running answer's cancel
+        self._lock = threading.Lock()
+
+    # -- ownership ------------------------------------------------------------------------------
+    def owner_of(self, conversation_id: str) -> str | None:
+        owners = getattr(self.assistant, "owners", None)
+        return owners.owner("conversation", conversation_id) if owners is not None else None
+
+    def check(self, conversation_id: str, key_id: str) -> None:
+        """Raise (as "not found", like the REST API's 404) unless `key_id` may see the conversation."""
+        self.assistant.conversations.get(conversation_id)  # StoreError when it does not exist
+        if not may_see(self.owner_of(conversation_id), key_id):
+            raise AssistantError(f"No conversation with id {conversation_id!r}.")
+
+    def claim(self, conversation_id: str, key_id: str) -> None:
+        owners = getattr(self.assistant, "owners", None)
+        if owners is not None and key_id and self.owner_of(conversation_id) is None:
+            owners.claim("conversation", conversation_id, key_id)
+
+    def conversations(self, key_id: str, query: str = "") -> list[Any]:
+        return visible_conversations(self.assistant.conversations.list(), self.owner_of, key_id, query)
+
+    # -- turns ----------------------------------------------------------------------------------
+    def params(self, temperature: float | None = None, max_tokens: float | None = None) -> Any:
+        overrides: dict[str, Any] = {}
+        if temperature is not None:
+            overrides["temperature"] = float(temperature)
+        if max_tokens:
+            overrides["max_tokens"] = int(max_tokens)
+        return self.assistant.default_params(**overrides)
+
+    def begin(self, session: str) -> threading.Event:
+        cancel = threading.Event()
+        with self._lock:
+            self._cancels[session] = cancel
+        return cancel
+
+    def stop(self, session: str) -> bool:
+        with self._lock:
+            cancel = self._cancels.get(session)
+        if cancel is None:
+            return False
+        cancel.set()
+        return True
+
+    def run(self, view: TurnView, events: Iterator[Any], cid: str | None, key_id: str) -> Iterator[TurnView]:
+        """Feed the turn's events to `view`, claiming a new conversation for the caller's key."""
+        for event in events:
+            view.feed(event)
+            if isinstance(event, TurnStarted) and event.conversation_id != cid:
+                self.claim(event.conversation_id, key_id)
+                cid = event.conversation_id
+            yield view
+
+    def resolve_artifact(self, ref: str) -> Path | None:
+        """A tool's artifact (a path, or the code tool's artifact id under <data_dir>/artifacts/)."""
+        path = Path(ref)
+        if path.is_file():
+            return path
+        root = Path(self.assistant.config.data_dir) / "artifacts"
+        if not root.is_dir() or "/" in ref or not ref:
+            return None
+        return next(iter(sorted(root.glob(f"*/{ref}-*"))), None)
+
+    def history(self, cid: str | None) -> list[dict]:
+        return history_messages(self.assistant.conversations.history(cid)) if cid else []
+
+    def branch(self, cid: str | None) -> tuple[Any, int, int]:
+        """(the deepest message of the active branch that has alternatives, its position, their count)."""
+        if not cid:
+            return None, 0, 0
+        for m in reversed(self.assistant.conversations.history(cid)):
+            siblings = self.assistant.conversations.siblings(m.id)
+            if len(siblings) > 1:
+                return m, [s.id for s in siblings].index(m.id) + 1, len(siblings)
+        return None, 0, 0
 
 
 def build_app(assistant: Any) -> Any:
     import gradio as gr
 
-    with gr.Blocks(title=TITLE) as app:
-        gr.Markdown(f"## {TITLE}\nRuns fully offline on this machine.")
+    web = WebChat(assistant)
+    ids = assistant.models.ids()
+    defaults = assistant.default_params()
+
+    with gr.Blocks(title=TITLE, fill_height=True) as app:
         conversation = gr.State(None)
-        chatbot = gr.Chatbot(label="Chat", height=520)
-        with gr.Row():
-            box = gr.Textbox(placeholder="Ask anything, then press Enter", show_label=False, scale=8, autofocus=True)
-            send = gr.Button("Send", variant="primary", scale=1)
-            again = gr.Button("Regenerate", scale=1)
-            new = gr.Button("New chat", scale=1)
-        status = gr.Markdown("")
+        with gr.Sidebar(open=True, label="Conversations", elem_id="sidebar"):
+            new = gr.Button("+ New chat", elem_id="new-chat", variant="primary")
+            search = gr.Textbox(placeholder="Search titles", show_label=False, elem_id="search", lines=1)
+            past = gr.Radio(choices=[], show_label=False, elem_id="conversations", container=False)
+            with gr.Accordion("This conversation", open=False, elem_id="manage"):
+                title_box = gr.Textbox(label="Title", elem_id="rename-box", lines=1)
+                with gr.Row():
+                    rename = gr.Button("Rename", elem_id="rename", size="sm")
+                    delete = gr.Button("Delete", elem_id="delete", variant="stop", size="sm")
+                with gr.Row():
+                    export_md = gr.Button("Export .md", elem_id="export-md", size="sm")
+                    export_json = gr.Button("Export .json", elem_id="export-json", size="sm")
+                exported = gr.File(label="Export", visible=False, elem_id="export-file")
+            with gr.Accordion("Library", open=False, elem_id="library-panel"):
+                library = gr.Markdown(elem_id="library")
+        gr.Markdown(f"### {TITLE}\nRuns fully offline on this machine.", elem_id="header")
+        chatbot = gr.Chatbot(label="Chat", elem_id="chat", editable="user", scale=1, min_height=300,
+                             buttons=["copy"], placeholder="Ask a question, attach a document or a picture, "
+                             "or record your voice.")
+        box = gr.MultimodalTextbox(placeholder="Ask anything · Enter sends · Shift+Enter new line · Esc stops",
+                                   show_label=False, sources=["upload", "microphone"], file_count="multiple",
+                                   file_types=DOCUMENT_TYPES, autofocus=True, elem_id="input")
+        with gr.Row(elem_id="controls"):
+            stop = gr.Button("■ Stop", elem_id="stop", variant="stop", size="sm")
+            again = gr.Button("↻ Regenerate", elem_id="regenerate", size="sm")
+            older = gr.Button("◀", elem_id="branch-prev", size="sm", min_width=40)
+            branch_label = gr.Markdown("", elem_id="branch")
+            newer = gr.Button("▶", elem_id="branch-next", size="sm", min_width=40)
+            speak = gr.Checkbox(label="Voice answers", value=bool(assistant.config.speech.speak_answers),
+                                elem_id="speak")
+        status = gr.Markdown("", elem_id="status")
+        usage = gr.HTML("", elem_id="usage")
+        player = gr.Audio(label="Voice answer", streaming=True, autoplay=True, interactive=False,
+                          elem_id="player", visible=bool(assistant.config.speech.speak_answers))
+        with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+            model = gr.Dropdown(choices=ids, value=ids[0], label="Model", elem_id="model",
+                                info="Long or tool-heavy turns go to the large model when one is configured.")
+            temperature = gr.Slider(0.0, 1.5, value=defaults.temperature, step=0.05, label="Temperature",
+                                    elem_id="temperature")
+            max_tokens = gr.Slider(16, 4096, value=defaults.max_tokens, step=16, label="Max answer tokens",
+                                   elem_id="max-tokens")
 
-        def chat(message: str, history: list[dict], cid: str | None):
-            message = (message or "").strip()
+        # -- handlers ---------------------------------------------------------------------------
+        def sidebar(cid: str | None, query: str, request: gr.Request):
+            found = web.conversations(key_id_of(request), query or "")
+            choices = [(conversation_label(c), c.id) for c in found[:100]]
+            title = next((c.title for c in found if c.id == cid), "")
+            return gr.update(choices=choices, value=cid if any(c.id == cid for c in found) else None), title
+
+        def library_text(request: gr.Request):
+            docs = assistant.documents
+            try:
+                return library_markdown(docs.list(), available=docs.available)
+            except AssistantError as e:
+                return f"_{e}_"
+
+        def turn_outputs(view: TurnView, history: list[dict], cid: str | None):
+            audio = view.take_audio()
+            return (history + view.messages(), view.conversation_id or cid, view.status,
+                    usage_meter(view.usage) if view.usage else gr.skip(), wav_bytes(audio) if audio else gr.skip())
+
+        def chat(message: Any, history: list[dict], cid: str | None, voice: bool, temp: float, tokens: float,
+                 request: gr.Request):
+            text, paths = (message.get("text", ""), list(message.get("files") or [])) if isinstance(message, dict) \
+                else (message or "", [])
+            text = (text or "").strip()
             history = list(history or [])
-            if not message:
-                yield "", history, cid, ""
+            if not text and not paths:
+                yield gr.skip(), history, cid, "Type a question first.", gr.skip(), gr.skip()
                 return
-            history += [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-            for answer, cid, line in _stream_answer(assistant, message, cid):
-                history[-1] = {"role": "assistant", "content": answer}
-                yield "", history, cid, line
+            key_id = key_id_of(request)
+            if cid:
+                web.check(cid, key_id)
+            audio, images, files = split_attachments(paths)
+            view = TurnView(question=text, attachments=tuple(a.name for a in (*images, *files)),
+                            resolve_artifact=web.resolve_artifact)
+            view.status = "Transcribing…" if audio else "Reading the attachments…" if files else "Thinking…"
+            yield None, history + view.messages(), cid, view.status, gr.skip(), gr.skip()
+            cancel = web.begin(request.session_hash or "")
+            user_input = UserInput(text, audio=audio, images=images, files=files, speak=bool(voice))
+            events = assistant.turn(cid, user_input, params=web.params(temp, tokens), cancel=cancel)
+            for view in web.run(view, events, cid, key_id):
+                yield None, *turn_outputs(view, history, cid)
 
-        def ask(message: str, cid: str | None):
-            answer = ""
-            for answer, cid, _ in _stream_answer(assistant, (message or "").strip(), cid):
-                yield answer, cid
+        def ask(message: str, cid: str | None, request: gr.Request):
+            key_id = key_id_of(request)
+            if cid:
+                web.check(cid, key_id)
+            cancel = web.begin(request.session_hash or "")
+            view = TurnView(question=message)
+            for view in web.run(view, assistant.turn(cid, (message or "").strip(), cancel=cancel), cid, key_id):
+                yield view.messages()[-1]["content"] if view.answer or view.finish_reason else "", \
+                    view.conversation_id or cid
+
+        def regenerate(cid: str | None, temp: float, tokens: float, request: gr.Request):
+            if not cid:
+                yield [], cid, "Nothing to regenerate yet.", gr.skip(), None
+                return
+            web.check(cid, key_id_of(request))
+            history = web.history(cid)
+            last_user = max((i for i, m in enumerate(history) if m["role"] == "user"), default=-1)
+            history = history[:last_user + 1]
+            cancel = web.begin(request.session_hash or "")
+            view = TurnView(resolve_artifact=web.resolve_artifact)
+            events = assistant.regenerate(cid, params=web.params(temp, tokens), cancel=cancel)
+            for view in web.run(view, events, cid, key_id_of(request)):
+                yield turn_outputs(view, history, cid)
+
+        def edit(cid: str | None, temp: float, tokens: float, edit_data: gr.EditData, request: gr.Request):
+            if not cid:
+                yield web.history(cid), cid, "Nothing to edit yet.", gr.skip(), None
+                return
+            web.check(cid, key_id_of(request))
+            shown = edit_data.index if isinstance(edit_data.index, int) else edit_data.index[0]
+            chat_history = web.history(cid)
+            # the n-th user message on the page is the n-th stored question of the active branch
+            users = [m for m in assistant.conversations.history(cid) if m.role == "user"]
+            rendered = web.history(cid)
+            n = sum(1 for m in rendered[:shown] if m["role"] == "user")
+            if n >= len(users):
+                yield chat_history, cid, "That message cannot be edited.", gr.skip(), None
+                return
+            before = rendered[:[i for i, m in enumerate(rendered) if m["role"] == "user"][n]]
+            view = TurnView(question=str(edit_data.value), resolve_artifact=web.resolve_artifact)
+            cancel = web.begin(request.session_hash or "")
+            events = assistant.edit(cid, users[n].id, str(edit_data.value), params=web.params(temp, tokens),
+                                    cancel=cancel)
+            for view in web.run(view, events, cid, key_id_of(request)):
+                yield turn_outputs(view, before, cid)
+
+        def stop_answer(request: gr.Request):
+            web.stop(request.session_hash or "")
 
         def new_chat():
-            return [], None, ""
+            return [], None, "", "", None
 
-        def regenerate(cid: str | None):
-            if not cid:
-                yield [], cid, "Nothing to regenerate yet."
-                return
-            history = render_history(assistant.conversations, cid)[:-1] + [{"role": "assistant", "content": ""}]
-            for answer, cid, line in _stream_answer(assistant, "", cid, events=assistant.regenerate(cid)):
-                history[-1] = {"role": "assistant", "content": answer}
-                yield history, cid, line
-
-        def resume(cid: str):
+        def resume(cid: str, request: gr.Request):
             cid = (cid or "").strip()
             try:
-                assistant.conversations.get(cid)
+                web.check(cid, key_id_of(request))
             except AssistantError as e:
                 raise gr.Error(str(e)) from e
-            return render_history(assistant.conversations, cid), cid
+            return web.history(cid), cid
+
+        def open_conversation(cid: str | None, request: gr.Request):
+            if not cid:
+                return gr.skip(), gr.skip(), gr.skip(), ""
+            history, cid = resume(cid, request)
+            return history, cid, assistant.conversations.get(cid).title, ""
+
+        def rename_conversation(cid: str | None, title: str, query: str, request: gr.Request):
+            if not cid or not title.strip():
+                return gr.skip(), gr.skip(), "Open a conversation and type its new title first."
+            web.check(cid, key_id_of(request))
+            assistant.conversations.rename(cid, title.strip())
+            radio, title_value = sidebar(cid, query, request)
+            return radio, title_value, "Renamed."
+
+        def delete_conversation(cid: str | None, query: str, request: gr.Request):
+            if not cid:
+                return gr.skip(), gr.skip(), gr.skip(), gr.skip(), "No conversation is open."
+            web.check(cid, key_id_of(request))
+            assistant.conversations.delete(cid)
+            radio, _ = sidebar(None, query, request)
+            return radio, [], None, "", "Deleted."
+
+        def export(cid: str | None, fmt: str, request: gr.Request):
+            if not cid:
+                return gr.update(visible=False), "Nothing to export yet."
+            web.check(cid, key_id_of(request))
+            folder = Path(assistant.config.data_dir) / "exports" / secrets.token_hex(6)
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"conversation-{cid[:8]}.{fmt}"
+            path.write_text(assistant.conversations.export(cid, fmt), encoding="utf-8")
+            return gr.update(value=str(path), visible=True), f"Exported as {fmt.upper()}."
+
+        def switch_branch(cid: str | None, step: int, request: gr.Request):
+            message, position, count = web.branch(cid)
+            if message is None:
+                return gr.skip(), gr.skip(), "There are no other versions of this answer."
+            web.check(cid, key_id_of(request))
+            siblings = assistant.conversations.siblings(message.id)
+            target = siblings[(position - 1 + step) % count]
+            assistant.conversations.switch(cid, target.id)
+            return web.history(cid), branch_text(cid), ""
+
+        def previous_branch(cid: str | None, request: gr.Request):
+            return switch_branch(cid, -1, request)
+
+        def next_branch(cid: str | None, request: gr.Request):
+            return switch_branch(cid, 1, request)
+
+        def export_markdown(cid: str | None, request: gr.Request):
+            return export(cid, "md", request)
+
+        def export_json_file(cid: str | None, request: gr.Request):
+            return export(cid, "json", request)
+
+        def branch_text(cid: str | None) -> str:
+            _, position, count = web.branch(cid)
+            return f"version {position}/{count}" if count > 1 else ""
 
         def current(cid: str | None):
             return cid or ""
 
-        def past_conversations():
-            return gr.update(choices=[(f"{c.title or c.id}", c.id) for c in assistant.conversations.list()[:50]])
+        # -- wiring -----------------------------------------------------------------------------
+        settings = [speak, temperature, max_tokens]
+        shown = [chatbot, conversation, status, usage, player]
+        refresh_sidebar = dict(fn=sidebar, inputs=[conversation, search], outputs=[past, title_box], api_name=False,
+                               queue=False)
+        submitted = box.submit(chat, [box, chatbot, conversation, *settings], [box, *shown], api_name="chat",
+                               concurrency_limit=4)
+        submitted.then(**refresh_sidebar).then(branch_text, [conversation], branch_label, api_name=False) \
+            .then(library_text, None, library, api_name=False)
+        stop.click(stop_answer, None, None, api_name="stop", queue=False)
+        again.click(regenerate, [conversation, temperature, max_tokens], [chatbot, conversation, status, usage, player],
+                    api_name="regenerate").then(branch_text, [conversation], branch_label, api_name=False)
+        chatbot.edit(edit, [conversation, temperature, max_tokens], [chatbot, conversation, status, usage, player],
+                     api_name=False).then(branch_text, [conversation], branch_label, api_name=False)
+        older.click(previous_branch, [conversation], [chatbot, branch_label, status], api_name=False)
+        newer.click(next_branch, [conversation], [chatbot, branch_label, status], api_name=False)
+        new.click(new_chat, None, [chatbot, conversation, status, title_box, exported], api_name="new_chat") \
+            .then(**refresh_sidebar)
+        search.change(**refresh_sidebar)
+        speak.change(lambda on: gr.update(visible=on), speak, player, api_name=False, queue=False)
+        past.input(open_conversation, [past], [chatbot, conversation, title_box, status],
+                   api_name=False).then(branch_text, [conversation], branch_label, api_name=False)
+        rename.click(rename_conversation, [conversation, title_box, search], [past, title_box, status], api_name=False)
+        delete.click(delete_conversation, [conversation, search], [past, chatbot, conversation, title_box, status],
+                     api_name=False)
+        export_md.click(export_markdown, [conversation], [exported, status], api_name=False)
+        export_json.click(export_json_file, [conversation], [exported, status], api_name=False)
+        app.load(**refresh_sidebar).then(library_text, None, library, api_name=False)
 
-        outputs = [box, chatbot, conversation, status]
-        box.submit(chat, [box, chatbot, conversation], outputs, api_name="chat")
-        send.click(chat, [box, chatbot, conversation], outputs, api_name=False)
-        new.click(new_chat, None, [chatbot, conversation, status], api_name="new_chat")
-        again.click(regenerate, [conversation], [chatbot, conversation, status], api_name="regenerate")
-        with gr.Accordion("Past conversations", open=False):
-            with gr.Row():
-                past = gr.Dropdown(choices=[], label="Conversation", scale=6)
-                refresh = gr.Button("Refresh", scale=1)
-                open_button = gr.Button("Open", scale=1)
-        refresh.click(past_conversations, None, past, api_name=False)
-        open_button.click(resume, [past], [chatbot, conversation], api_name=False)
-        app.load(past_conversations, None, past, api_name=False)
         api_in = gr.Textbox(visible=False)
         api_out = gr.Textbox(visible=False)
         api_button = gr.Button(visible=False)
@@ -162,3 +427,86 @@ def build_app(assistant: Any) -> Any:
         current_button = gr.Button(visible=False)
         current_button.click(current, [conversation], [api_cid], api_name="conversation")
     return app
+
+
+def mount_web_chat(app: Any, assistant: Any, gateway: Any, *, path: str = "/") -> Any:
+    """Mount the web chat on the server's FastAPI `app`. With API keys configured (server.api_keys or keys
+    in the store), the page asks for a key first (/login); the key's id is the Gradio user, so every
+    handler sees only what that key owns, as the REST API does (Authorization: Bearer works too)."""
+    import gradio as gr
+    from fastapi import Form, Request
+    from fastapi.responses import HTMLResponse, RedirectResponse
+
+    sessions: dict[str, str] = {}  # login cookie -> the key it was opened with (checked again on every request)
+
+    def user_of(request: Request) -> str | None:
+        header = request.headers.get("authorization", "")
+        if not header.strip():
+            key = sessions.get(request.cookies.get(COOKIE, ""), "")
+            header = f"Bearer {key}" if key else ""
+        principal = gateway.auth.authenticate(header)
+        if principal is None:
+            return None
+        return principal.key_id or LOCAL_USER
+
+    @app.get("/login", include_in_schema=False)
+    def login_page(error: str = "") -> HTMLResponse:
+        return HTMLResponse(login_html(error), status_code=401 if error else 200)
+
+    @app.post("/login", include_in_schema=False)
+    def login(key: str = Form("")) -> Any:
+        if gateway.auth.authenticate(f"Bearer {key.strip()}") is None or not key.strip():
+            return HTMLResponse(login_html("That key is not valid (unknown, mistyped or revoked)."), status_code=401)
+        token = secrets.token_urlsafe(24)
+        sessions[token] = key.strip()
+        response = RedirectResponse(path, status_code=303)
+        response.set_cookie(COOKIE, token, httponly=True, samesite="lax", path="/")
+        return response
+
+    @app.get("/logout", include_in_schema=False)
+    def logout(request: Request) -> Any:
+        sessions.pop(request.cookies.get(COOKIE, ""), None)
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    app.add_middleware(LoginRedirect, user_of=user_of, page=path)
+    blocks = build_app(assistant)
+    blocks.queue(default_concurrency_limit=4)
+    data_dir = Path(assistant.config.data_dir).resolve()
+    return gr.mount_gradio_app(app, blocks, path=path, footer_links=["api"], ssr_mode=False, css=CSS, head=HEAD,
+                               auth_dependency=user_of, allowed_paths=[str(data_dir / "artifacts"),
+                                                                       str(data_dir / "exports")])
+
+
+class LoginRedirect:
+    """ASGI middleware: a browser that opens the chat page without a valid login goes to /login."""
+
+    def __init__(self, app: Any, user_of: Any, page: str = "/") -> None:
+        self.app, self.user_of, self.page = app, user_of, page
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") == "GET" and scope.get("path") == self.page:
+            from fastapi import Request
+            from fastapi.responses import RedirectResponse
+            from starlette.concurrency import run_in_threadpool
+
+            if await run_in_threadpool(self.user_of, Request(scope)) is None:
+                await RedirectResponse("/login", status_code=303)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def login_html(error: str = "") -> str:
+    import html
+
+    message = f'<p class="error" role="alert">{html.escape(error)}</p>' if error else ""
+    return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>Log in · {TITLE}</title>
+<style>body{{font-family:system-ui,sans-serif;display:grid;place-items:center;min-height:90vh;margin:0 1em}}
+form{{max-width:26em;width:100%;display:grid;gap:.75em}}input,button{{font-size:1em;padding:.6em}}
+button{{background:#f97316;color:#fff;border:0;border-radius:.4em}}.error{{color:#b91c1c}}</style></head>
+<body><form method="post" action="/login"><h2>{TITLE}</h2>
+<label for="key">API key</label><input id="key" name="key" type="password" autocomplete="current-password"
+ placeholder="sk-asst-…" required autofocus>{message}<button id="login" type="submit">Log in</button>
+<small>Ask the administrator for a key (<code>assistant keys create</code>).</small></form></body></html>"""

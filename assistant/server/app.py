@@ -51,13 +51,9 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
 
     if not web_chat:
         return app
-    import gradio as gr
+    from ui.gradio_app import mount_web_chat
 
-    from ui.gradio_app import build_app
-
-    blocks = build_app(assistant)
-    blocks.queue(default_concurrency_limit=4)
-    return gr.mount_gradio_app(app, blocks, path="/", footer_links=["api"], ssr_mode=False)
+    return mount_web_chat(app, assistant, gateway)  # with keys configured, a login screen first
 
 
 def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
