@@ -109,6 +109,24 @@ def test_the_widget_text_box_runs_a_turn_in_the_background(tmp_path):
     assert chat.turns == [] and chat.conversation_id is None
 
 
+def test_interrupting_keeps_the_answer_so_far(tmp_path):
+    class Interrupted:  # a backend whose turn the user interrupts (Kernel > Interrupt) mid-answer
+        ready = True
+
+        def turn(self, conversation_id, user_input, *, max_tokens=None, cancel=None):
+            yield TurnStarted("c1", "u1", "m1")
+            yield TextDelta("Seven")
+            raise KeyboardInterrupt
+
+        def artifact(self, ref, conversation_id):
+            return None
+
+    chat, _ = _chat(tmp_path)
+    chat.backend = Interrupted()
+    assert chat.ask(QUESTION) == "Seven"
+    assert chat.last.finish_reason == "cancelled" and chat.conversation_id == "c1" and not chat.busy
+
+
 # -- the SSE stream -----------------------------------------------------------------------------------
 
 def test_sse_round_trip_of_the_servers_own_encoding():
@@ -319,13 +337,18 @@ def test_notebook_through_a_server(library, models_dir, tmp_path, monkeypatch):
     from assistant.app import build_assistant
     from assistant.server.app import create_app
 
+    def questions(assistant) -> int:
+        history = assistant.conversations.history
+        return [m.content for c in assistant.conversations.list() for m in history(c.id)].count(QUESTION)
+
     with build_assistant(_config(library, models_dir)) as assistant:
+        asked_before = questions(assistant)  # the data dir is shared with the in-process notebook
         _, key = assistant.keys.create("notebook", "paid")
         with serve_in_thread(create_app(assistant, web_chat=False)) as base:
             cells = _notebook_cells(f"url={base!r}, key={key!r}", f"--url {base} --key {key}")
             notebook = _execute(cells, "widget_server", tmp_path, monkeypatch,
                                 {"ASSISTANT_DATA_DIR": str(tmp_path / "kernel-data")})  # the kernel loads nothing
-        stored = [m.content for c in assistant.conversations.list() for m in assistant.conversations.history(c.id)]
+        asked = questions(assistant) - asked_before
     _check_outputs(notebook)
-    assert stored.count(QUESTION) == 2  # both questions were answered by the server
+    assert asked == 2  # both questions were answered by the server
     assert key not in json.dumps([c.outputs for c in notebook.cells])  # the key is not echoed into outputs

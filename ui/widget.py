@@ -548,14 +548,15 @@ class Chat(anywidget.AnyWidget):
 
     def new(self) -> None:
         """Start a new conversation (the next question opens it)."""
-        self.conversation_id, self.last, self.turns, self.live = None, None, [], ""
+        self.conversation_id, self.turns, self.live = None, [], ""
 
     def history(self) -> list[dict[str, Any]]:
         """The stored conversation: messages (role, content, status, meta with sources and tool steps)."""
         return self.backend.history(self.conversation_id) if self.conversation_id else []
 
     def close(self) -> None:
-        self.backend.close()
+        if getattr(self, "backend", None) is not None:
+            self.backend.close()
         super().close()
 
     def _run(self, user_input: UserInput, show: bool) -> TurnResult:
@@ -581,6 +582,7 @@ class Chat(anywidget.AnyWidget):
                     cancel.set()
                     for event in events:
                         result.add(event, resolve)
+                    result.finish_reason = result.finish_reason or "cancelled"
             finally:
                 getattr(events, "close", lambda: None)()
                 self.busy = False
