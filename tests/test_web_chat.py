@@ -184,7 +184,7 @@ def test_pdf_upload_is_cited_by_page(page, served, tmp_path):
     doc.new_page().insert_text((72, 72), "The Zephyr orchard harvested 4,210 kilograms of plums in 2023.")
     doc.save(pdf)
     page.set_input_files("#input input[type=file]", str(pdf))
-    page.wait_for_function("() => document.querySelector('#input').innerText.includes('orchard_report')")
+    page.locator("#input .thumbnail-item").first.wait_for()  # uploaded, shown in the textbox
     send(page, "How many kilograms of plums did the Zephyr orchard harvest in 2023?")
     shown = page.inner_text("#chat")
     shot(page, "05-pdf-cited")
@@ -297,4 +297,4 @@ def test_login_sees_only_its_own_conversations(browser, served):
         as_alice.predict(secret, api_name="/resume")
     assert as_alice.predict(mine, api_name="/resume")[-1]["role"] == "assistant"
     as_bob = Client(base + "/", verbose=False, headers={"Authorization": f"Bearer {bob_key}"})
-    assert as_bob.predict(secret, api_name="/resume")[0]["content"] == "Bob's secret plan"
+    assert "Bob's secret plan" in str(as_bob.predict(secret, api_name="/resume")[0]["content"])
