@@ -93,3 +93,26 @@ def media_model(name: str) -> Path:
     except ModelError as e:
         need(False, f"the packaged model {spec.name} ({e})", f"run `make setup` or {spec.install_command}")
         raise
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """ASSISTANT_TEST_RSS=<file>: append each test's resident memory after it ran (to find what grows)."""
+    path = os.environ.get("ASSISTANT_TEST_RSS")
+    if path:
+        import resource
+
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with open(path, "a") as out:
+            out.write(f"{rss // 1024}\t{peak // 1024}\t{nodeid}\n")
+
+
+@pytest.fixture
+def closing():
+    """`closing(obj)` returns obj and closes it when the test ends, failed or not: an Assistant that is
+    never closed keeps its engine thread, and with it the model's memory, until the process exits."""
+    opened: list = []
+    yield lambda obj: opened.append(obj) or obj
+    for obj in reversed(opened):
+        obj.close()

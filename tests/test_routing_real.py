@@ -24,13 +24,13 @@ def _config(data_dir: Path, models_dir: Path) -> AssistantConfig:
                                                    "engine.max_new_tokens": 64})
 
 
-def test_large_model_that_cannot_load_falls_back_to_the_small_one(models_dir, tmp_path):
+def test_large_model_that_cannot_load_falls_back_to_the_small_one(models_dir, tmp_path, closing):
     from assistant.app import build_assistant
     from assistant.routing import RoutingPolicy
 
     config = _config(tmp_path, models_dir)
     config = replace(config, engine=replace(config.engine, large_model=str(tmp_path / "missing.gguf")))
-    orch = build_assistant(config).orchestrator
+    orch = closing(build_assistant(config)).orchestrator
     orch.router.policy = RoutingPolicy(long_prompt_tokens=1)  # every call wants the large model
     events = list(orch.run_turn(None, "What is the capital of France?"))
     notice = next(e for e in events if isinstance(e, Notice))
@@ -42,7 +42,7 @@ def test_large_model_that_cannot_load_falls_back_to_the_small_one(models_dir, tm
 
 @pytest.mark.skipif(os.environ.get("ASSISTANT_TEST_LARGE") != "1",
                     reason="opt-in: set ASSISTANT_TEST_LARGE=1 after `assistant models prepare large`")
-def test_simple_turn_small_document_turn_large(models_dir, tmp_path):
+def test_simple_turn_small_document_turn_large(models_dir, tmp_path, closing):
     from assistant.models import prepared_path, resolve_model_name
 
     need(prepared_path(resolve_model_name("large"), models_dir) is not None, "the prepared large model",
@@ -58,7 +58,7 @@ def test_simple_turn_small_document_turn_large(models_dir, tmp_path):
         list(ingester.ingest([_write_pdf(tmp_path / "zephyr_manual.pdf")]))
     finally:
         ingester.close()
-    orch = build_assistant(replace(config, engine=replace(config.engine, large_model="large"))).orchestrator
+    orch = closing(build_assistant(replace(config, engine=replace(config.engine, large_model="large")))).orchestrator
     simple = list(orch.run_turn(None, "What is the capital of France?"))[-1]
     assert "Paris" in simple.text
     assert orch.store.get_message(simple.message_id).meta["route"] == "small"
