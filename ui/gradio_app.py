@@ -55,6 +55,12 @@ HEAD = """<script>
 document.addEventListener('keydown', (e) => {
   if (e.key === 'Escape') { const b = document.querySelector('#stop'); if (b) b.click(); }
 });
+// On a phone the history sidebar would cover the chat: start with it closed there.
+(function closeSidebarWhenNarrow(tries) {
+  const toggle = document.querySelector('button[aria-label="Toggle Sidebar"]');
+  if (toggle) { if (window.innerWidth < 700) toggle.click(); return; }
+  if (tries > 0) setTimeout(() => closeSidebarWhenNarrow(tries - 1), 100);
+})(100);
 </script>"""
 
 
