@@ -93,8 +93,9 @@ def test_web_chat_with_gradio_client(models_dir, tmp_path):
         assert len(partials) > 2  # it streamed, token by token
         assert "Rome" in client.predict("And of Italy?", api_name="/ask")
         # the web page's own endpoint renders the same conversation store
-        _, history, _ = client.predict("What is 2+2?", [], api_name="/chat")
-        assert history[-1]["role"] == "assistant"
+        outputs = client.predict({"text": "What is 2+2?", "files": []}, [], api_name="/chat")
+        history = outputs[1]  # (text box, chat, status, usage meter, voice player)
+        assert history[-1]["role"] == "assistant" and history[-1]["content"]
         # the same server speaks the OpenAI protocol on /v1: the scale-out RemoteEngine can use it
         from assistant.engine.base import SamplingParams
         from assistant.engine.remote import RemoteEngine
