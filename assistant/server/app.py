@@ -2,6 +2,7 @@
 
     /v1/...          OpenAI-compatible API: chat completions, models, embeddings (assistant/server/openai.py)
     /v1/audio/...    transcriptions and speech, in OpenAI's shapes (assistant/server/audio.py)
+    /v1/moderations  the safety layer's scores and verdict, in OpenAI's shape (assistant/server/moderations.py)
     /api/turns ...   the full assistant turn as server-sent TurnEvents (assistant/server/turns.py)
     /metrics         Prometheus metrics (assistant/server/metrics.py)
     /                the Gradio web chat (ui/gradio_app.py), mounted last
@@ -43,6 +44,9 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
         from assistant.server.audio import create_audio_api
 
         app.include_router(create_audio_api(assistant, gateway))
+    from assistant.server.moderations import create_moderation_api
+
+    app.include_router(create_moderation_api(assistant, gateway))
 
     @app.get("/metrics", include_in_schema=False)
     def metrics() -> Response:
