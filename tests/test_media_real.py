@@ -28,7 +28,7 @@ speech = pytest.importorskip("tools.speech")
 from tools.audio import decode_audio, encode_audio  # noqa: E402
 from tools.tts import PiperTTS  # noqa: E402
 
-QUESTION = "What is the warranty period of the air purifier?"
+QUESTION = "How long is the warranty on the air filter?"
 
 
 @pytest.fixture(scope="module")

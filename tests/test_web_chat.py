@@ -41,13 +41,19 @@ def served(models_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser(served):
+def pw(served):
+    """The module's one Playwright driver (a second sync one cannot start while it runs)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
+        yield p
+
+
+@pytest.fixture(scope="module")
+def browser(pw):
+    b = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+    yield b
+    b.close()
 
 
 @pytest.fixture
@@ -198,9 +204,7 @@ def test_pdf_upload_is_cited_by_page(page, served, tmp_path):
 
 
 # 6 -------------------------------------------------------------------------------------------------
-def test_spoken_question_shows_its_transcript(served, tmp_path):
-    from playwright.sync_api import sync_playwright
-
+def test_spoken_question_shows_its_transcript(served, pw, tmp_path):
     from tests.conftest import media_model
     from tools.audio import encode_audio
     from tools.tts import PiperTTS
@@ -214,10 +218,11 @@ def test_spoken_question_shows_its_transcript(served, tmp_path):
     wav = tmp_path / "question.wav"
     wav.write_bytes(encode_audio(samples, rate, "wav"))
     seconds = (rate + len(speech)) / rate + 0.7
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-            f"--use-file-for-fake-audio-capture={wav}"])
+    # a browser of its own: the fake microphone is a launch argument
+    b = pw.chromium.launch(executable_path=CHROMIUM, args=[
+        "--no-sandbox", "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={wav}"])
+    try:
         context = b.new_context(viewport={"width": 1280, "height": 900}, permissions=["microphone"])
         page = context.new_page()
         page.set_default_timeout(60_000)
@@ -237,7 +242,7 @@ def test_spoken_question_shows_its_transcript(served, tmp_path):
         wait_done(page)
         shot(page, "06-voice-transcript")
         assert "Berlin" in page.evaluate(LAST_BOT)
-        context.close()
+    finally:
         b.close()
     cid = current_conversation(assistant, "What is the capital of Germany")
     user = [m for m in assistant.conversations.history(cid) if m.role == "user"][-1]
