@@ -102,6 +102,7 @@ class ServerConfig:
     prices: dict[str, PriceConfig] = field(default_factory=dict)  # model id -> price, for `assistant usage`
     redis_url: str = ""  # "" = rate limits in process; redis://host:6379/0 = shared by every replica
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies are refused (413) before they are read
+    max_upload_bytes: int = 64 * 1024 * 1024  # the same for uploads: recordings, pictures, files (web chat, /api/turns)
     max_running: int = 16  # generations the gateway lets run at once (keep >= engine.max_num_seqs)
     max_queued: int = 64  # requests waiting for a running slot; beyond that: 503 + Retry-After at once
 
@@ -269,7 +270,7 @@ class AssistantConfig:
                 raise ConfigError(f"server.prices.{model!r}: prices must be >= 0.")
         if s.redis_url and not s.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"server.redis_url={s.redis_url!r}: use redis://host:6379/0 (or \"\" for in-process limits).")
-        for name in ("max_body_bytes", "max_running", "max_queued"):
+        for name in ("max_body_bytes", "max_upload_bytes", "max_running", "max_queued"):
             if getattr(s, name) < 1:
                 raise ConfigError(f"server.{name}={getattr(s, name)} must be at least 1.")
         if self.sandbox.runtime not in ("runc", "runsc"):

@@ -39,8 +39,8 @@ from assistant.config import AssistantConfig
 from assistant.context import MAX_MEMORY_TOKENS
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
-from assistant.events import (Done, Error, ImageDescribed, SafetyVerdict, Sources, Transcribed, TurnEvent,
-                              TurnStarted, Usage)
+from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, Transcribed,
+                              TurnEvent, TurnStarted, Usage)
 from assistant.grounding import Evidence, ground
 from assistant.routing import Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
@@ -198,7 +198,10 @@ class Orchestrator:
         chat, ids, memory = _prompt_history(history)
         transformers = [t.for_turn(cid) if hasattr(t, "for_turn") else t for t in self.transformers]
         if self.speaker is not None and (speak or self.config.speech.speak_answers):
-            transformers.append(self.speaker())
+            try:
+                transformers.append(self.speaker())
+            except AssistantError as e:  # no voice: the answer still comes, in text, and says why
+                yield Notice(f"The answer is not spoken: {e}")
         loop = AgentLoop(self.router, self.tools, self.config, self.options, guard=self._guard(cid),
                          transformers=transformers, prefetch=self.prefetch, summarize=self.summarize)
         try:

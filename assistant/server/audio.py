@@ -175,9 +175,12 @@ def create_audio_api(assistant: Any, gateway: Gateway) -> APIRouter:
             return ticket
         try:
             audio = await run_in_threadpool(_speak, media, text, fmt)
-        except (ModelError, ConfigError) as e:
+        except ModelError as e:
             await run_in_threadpool(ticket.finish, "error")
-            return _error(500 if isinstance(e, ModelError) else 400, str(e), type_="server_error")
+            return _error(500, str(e), type_="server_error")
+        except ConfigError as e:  # nothing left to speak once code and markup are left out
+            await run_in_threadpool(ticket.finish, "invalid")
+            return _error(400, str(e), "input")
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")
             raise

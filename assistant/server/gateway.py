@@ -86,13 +86,15 @@ class Ticket:
 
 class Gateway:
     def __init__(self, auth: Authenticator, *, limiter: Limiter | None = None, ledger: Any = None, owners: Any = None,
-                 admission: Admission | None = None, metrics: Metrics | None = None, max_body_bytes: int = 4 << 20) -> None:
+                 admission: Admission | None = None, metrics: Metrics | None = None, max_body_bytes: int = 4 << 20,
+                 max_upload_bytes: int = 64 << 20) -> None:
         self.auth = auth
         self.limiter = limiter or MemoryLimiter()
         self.ledger, self.owners = ledger, owners
         self.admission = admission or Admission(16, 64)
         self.metrics = metrics or Metrics(admission=self.admission)
         self.max_body_bytes = max_body_bytes
+        self.max_upload_bytes = max_upload_bytes
 
     @classmethod
     def from_assistant(cls, assistant: Any) -> "Gateway":
@@ -103,7 +105,8 @@ class Gateway:
         stats = getattr(engine, "stats", None)
         return cls(Authenticator.from_config(config, assistant.keys), limiter=create_limiter(s.redis_url),
                    ledger=assistant.usage, owners=assistant.owners, admission=admission,
-                   metrics=Metrics(stats if callable(stats) else None, admission), max_body_bytes=s.max_body_bytes)
+                   metrics=Metrics(stats if callable(stats) else None, admission), max_body_bytes=s.max_body_bytes,
+                   max_upload_bytes=s.max_upload_bytes)
 
     @classmethod
     def from_keys(cls, api_keys: tuple[str, ...] = ()) -> "Gateway":

@@ -6,7 +6,8 @@ trace context, the request body limit, per-request metrics and one structured lo
   * Trace context: a valid incoming `traceparent` keeps its trace id (and sampled flag) and this
     request becomes a child span; otherwise a new trace starts. The response carries our
     `traceparent`, so a caller can join its trace with ours.
-  * Body limit: a `content-length` above `max_body_bytes` is refused with 413 before one byte of the
+  * Body limit: a `content-length` above the route's limit (`max_body_bytes`; `max_upload_bytes` for the
+    routes that take recordings, pictures and files) is refused with 413 before one byte of the
     body is read; a chunked body is counted as it arrives and refused the moment it passes the limit.
   * Log: one JSON line per request on the `assistant.access` logger (id, trace, method, path,
     status, ms, key id when authenticated).
@@ -28,6 +29,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# routes that take uploads (server.max_upload_bytes): OpenAI's audio, the turn endpoint, the web chat's files
+UPLOAD_PREFIXES = ("/v1/audio/transcriptions", "/api/turns", "/gradio_api/upload", "/upload")
 access_log = logging.getLogger("assistant.access")
 
 
@@ -49,8 +52,14 @@ def _route(path: str) -> str:
 
 
 class GatewayMiddleware:
-    def __init__(self, app: Any, *, max_body_bytes: int, metrics: Any = None) -> None:
+    def __init__(self, app: Any, *, max_body_bytes: int, max_upload_bytes: int | None = None,
+                 metrics: Any = None) -> None:
         self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
+        self.max_upload_bytes = max(max_body_bytes, max_upload_bytes or max_body_bytes)
+
+    def limit(self, path: str) -> int:
+        """The body limit of a route: uploads (a recording, pictures, files) get the larger one."""
+        return self.max_upload_bytes if path.startswith(UPLOAD_PREFIXES) else self.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -76,11 +85,12 @@ class GatewayMiddleware:
             await send(message)
 
         async def refuse() -> None:
-            await self._too_large(send_with_ids)
+            await self._too_large(send_with_ids, limit)
             status["refused"] = True
 
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
+        limit = self.limit(scope.get("path", ""))
+        if length.isdigit() and int(length) > limit:
             await refuse()
         else:
             received = {"n": 0}
@@ -91,7 +101,7 @@ class GatewayMiddleware:
                 message = await receive()
                 if message["type"] == "http.request":
                     received["n"] += len(message.get("body", b""))
-                    if received["n"] > self.max_body_bytes and not status["code"]:
+                    if received["n"] > limit and not status["code"]:
                         await refuse()  # the app sees a client that went away; the client sees the 413
                         return {"type": "http.disconnect"}
                 return message
@@ -113,10 +123,12 @@ class GatewayMiddleware:
                 "path": scope.get("path"), "status": status["code"], "ms": round(elapsed * 1000, 2),
                 "key_id": getattr(principal, "key_id", None)}))
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, send: Send, limit: int) -> None:
+        setting = "server.max_upload_bytes" if limit == self.max_upload_bytes != self.max_body_bytes else \
+            "server.max_body_bytes"
         body = json.dumps({"error": {
-            "message": f"The request body is larger than the server's limit of {self.max_body_bytes} bytes "
-                       "(server.max_body_bytes).", "type": "invalid_request_error", "param": None,
+            "message": f"The request body is larger than the server's limit of {limit} bytes "
+                       f"({setting}).", "type": "invalid_request_error", "param": None,
             "code": "request_too_large"}}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
