@@ -116,3 +116,30 @@ def closing():
     yield lambda obj: opened.append(obj) or obj
     for obj in reversed(opened):
         obj.close()
+
+
+def _give_memory_back() -> None:
+    """Collect, then hand freed heap back to the OS: a closed Assistant's ~3 GB stayed resident in
+    glibc's arenas (measured 6.0 GB built -> 3.1 GB closed -> 0.65 GB after malloc_trim), so the real
+    suite's one process grew past 22 GB on a 23 GB machine."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _trim_after_real_tests(request):
+    yield
+    if request.node.get_closest_marker("real"):
+        _give_memory_back()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trim_after_each_module():
+    yield  # torn down after the module's own fixtures (servers, assistants) have closed
+    _give_memory_back()
