@@ -119,12 +119,20 @@ def closing():
 
 
 def _give_memory_back() -> None:
-    """Collect, then hand freed heap back to the OS: a closed Assistant's ~3 GB stayed resident in
-    glibc's arenas (measured 6.0 GB built -> 3.1 GB closed -> 0.65 GB after malloc_trim), so the real
-    suite's one process grew past 22 GB on a 23 GB machine."""
+    """Free what finished tests left, and hand the heap back to the OS: a closed Assistant's ~3 GB stayed
+    resident in glibc's arenas (measured 6.0 GB built -> 3.1 GB closed -> 0.65 GB after malloc_trim),
+    and served apps were kept alive by FastAPI's caches, so the real suite's one process grew past 22 GB
+    on a 23 GB machine."""
     import ctypes
     import gc
+    import sys
 
+    # FastAPI (0.165) caches what it learns about endpoint functions in module-level lru_caches; each
+    # endpoint is a closure over its app's Assistant, so every app a test served stayed alive
+    fastapi_models = sys.modules.get("fastapi.dependencies.models")
+    for value in vars(fastapi_models).values() if fastapi_models else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
