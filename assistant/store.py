@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,8 @@ class Store:
         try:
             if url.startswith("sqlite"):
                 in_memory = url in ("sqlite://", "sqlite:///:memory:")  # one shared connection, or each sees an empty db
+                if not in_memory and url.startswith("sqlite:///"):  # a new data dir: make its folder
+                    Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
                 self.db: SqlEngine = create_engine(url, connect_args={"check_same_thread": False},
                                                    poolclass=StaticPool if in_memory else None)
                 event.listen(self.db, "connect", _sqlite_pragmas)

@@ -56,3 +56,12 @@ def test_data_survives_reopening(tmp_path):
 def test_bad_url_is_a_store_error():
     with pytest.raises(StoreError, match="Cannot open the store"):
         Store("nosuchdialect://x")
+
+
+def test_a_sqlite_store_in_a_new_data_dir_makes_its_folder(tmp_path):
+    from assistant.store import Store
+
+    path = tmp_path / "new" / "data" / "assistant.db"
+    store = Store(f"sqlite:///{path}")
+    store.create_conversation("hello")
+    assert path.is_file() and [c.title for c in store.list_conversations()] == ["hello"]
