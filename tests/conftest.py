@@ -151,3 +151,17 @@ def _trim_after_real_tests(request):
 def _trim_after_each_module():
     yield  # torn down after the module's own fixtures (servers, assistants) have closed
     _give_memory_back()
+
+
+def require_module(name: str, fix: str = "run `make setup` (pip install -e '.[media,ui,test]')"):
+    """`pytest.importorskip` that obeys ASSISTANT_REQUIRE_REAL: a missing package fails in CI instead of
+    skipping its tests quietly. Usable at module level."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        message = f"{name} cannot be imported ({e}): {fix}"
+        if REQUIRE_REAL:
+            pytest.fail(f"ASSISTANT_REQUIRE_REAL=1 and {message}", pytrace=False)
+        pytest.skip(message, allow_module_level=True)

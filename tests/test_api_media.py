@@ -14,12 +14,12 @@ import pytest
 
 from assistant.errors import AssistantError
 from assistant.modalities import Modalities
-from tests.conftest import serve_in_thread
+from tests.conftest import require_module, serve_in_thread
 from tests.gateway_fakes import assert_openai_error, bearer, make_app
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("tools.audio")
-pytest.importorskip("tools.tts")
+openai = require_module("openai")
+require_module("tools.audio")
+require_module("tools.tts")
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n fake").decode()
 

@@ -20,11 +20,11 @@ from assistant.engine.fake import ScriptedEngine
 from assistant.events import AudioChunk, ImageDescribed, TextDelta, Transcribed
 from assistant.seams import Attachment, UserInput
 from assistant.store import Store
-from tests.conftest import media_model, need, serve_in_thread
+from tests.conftest import media_model, need, require_module, serve_in_thread
 from tests.test_vision import encoded, font
 
 pytestmark = pytest.mark.real
-speech = pytest.importorskip("tools.speech")
+speech = require_module("tools.speech")
 from tools.audio import decode_audio, encode_audio  # noqa: E402
 from tools.tts import PiperTTS  # noqa: E402
 
@@ -32,7 +32,7 @@ QUESTION = "How long is the warranty on the air filter?"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models():
     """The shared models dir with the packaged voice, Whisper tiny.en and EfficientNet-Lite0 prepared."""
     for name in ("joe", "tiny.en", "lite0"):
         path = media_model(name)
@@ -120,7 +120,7 @@ def test_cli_speak_transcribe_and_describe(tmp_path, models, monkeypatch, capsys
 
 
 def test_the_openai_sdk_speaks_and_transcribes_through_v1_audio(tmp_path, models, make):
-    openai = pytest.importorskip("openai")
+    openai = require_module("openai")
     from assistant.server.app import create_app
 
     assistant, _ = make(tmp_path, models)

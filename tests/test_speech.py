@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from assistant.errors import AssistantError, ConfigError, ModelError
-from tests.conftest import media_model
+from tests.conftest import media_model, require_module
 from tools import audio as audio_mod
 from tools.audio import AUDIO_MIME, AudioError, decode_audio, encode_audio
 from tools.speech import (FasterWhisperSTT, OpenAIWhisperSTT, Segment, Transcript, _check_language, _LazyModel,
@@ -181,7 +181,7 @@ def test_silence_gate_and_energy_fallback(monkeypatch):
 
 
 def test_silero_vad_hears_no_speech_in_noise():
-    pytest.importorskip("faster_whisper")
+    require_module("faster_whisper")
     assert speech_chunks((0.01 * np.random.default_rng(0).standard_normal(48000)).astype(np.float32)) == []
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from assistant.config import AssistantConfig
-from tests.conftest import REPO_ROOT, need, serve_in_thread
+from tests.conftest import REPO_ROOT, need, require_module, serve_in_thread
 
 pytestmark = pytest.mark.real
 
@@ -28,7 +28,7 @@ LAST_BOT = "() => { const rows = document.querySelectorAll('#chat .bot-row'); " 
 
 @pytest.fixture(scope="module")
 def served(models_dir, tmp_path_factory):
-    pytest.importorskip("gradio")
+    require_module("gradio")
     need(Path(CHROMIUM).exists(), "Chromium", "apt-get install chromium")
     from assistant.app import build_assistant
     from assistant.server.app import create_app

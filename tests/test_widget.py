@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("anywidget")
+from tests.conftest import require_module
+
+require_module("anywidget")
 
 from assistant.events import (AudioChunk, Done, Error, SafetyVerdict, Source, Sources, TextDelta,  # noqa: E402
                               ToolCallFinished, ToolCallStarted, TurnStarted, Usage)
