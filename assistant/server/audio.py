@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from assistant.errors import AssistantError, ConfigError, ModelError
 from assistant.server.auth import UNAUTHORIZED
-from assistant.server.completions import error_body
+from assistant.server.completions import error_response as _error
 from assistant.server.gateway import Gateway, Refusal
 
 OPENAI_STT = ("whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
@@ -32,11 +32,6 @@ OPENAI_TTS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 TRANSCRIPT_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 SPEECH_FORMATS = ("mp3", "opus", "flac", "wav", "pcm")
 MAX_SPEECH_CHARS = 4096  # OpenAI's limit on `input`
-
-
-def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-           headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
 
 
 def _timestamp(seconds: float, sep: str) -> str:

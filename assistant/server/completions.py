@@ -32,6 +32,14 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                   headers: dict[str, str] | None = None, code: str | None = None) -> Any:
+    """An OpenAI-shaped error as a JSONResponse."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
+
+
 def finish_reason(reason: str | None) -> str | None:
     return {"cancelled": "stop"}.get(reason or "", reason)
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from assistant.server.auth import UNAUTHORIZED
-from assistant.server.completions import error_body
+from assistant.server.completions import error_response as _error
 from assistant.server.gateway import Gateway, Refusal
 
 MODEL = "assistant-safety"
@@ -45,11 +45,6 @@ def openai_result(moderation: Any) -> dict[str, Any]:
             categories[name] = categories[name] or bool(moderation.categories.get(ours))
     return {"flagged": moderation.flagged, "categories": {**categories, **moderation.categories},
             "category_scores": {**scores, **moderation.category_scores}}
-
-
-def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-           headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
 
 
 def _inputs(body: Any) -> list[str] | str:
