@@ -34,6 +34,28 @@ TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
 TABLE_RULE = re.compile(r"^\s*\|?[\s:|-]+\|[\s:|-]*$")
 OPTION = re.compile(r"^\s*-{1,2}[A-Za-z0-9]")
 MIN_ITEMS = 2
+MAX_WRAPS = 3  # continuation lines one list item may wrap onto
+WRAPPED = re.compile(r"^[a-z0-9/(\[`'\"_<*-]")  # how a wrapped line of an item starts
+
+
+def bullets(lines: Sequence[str]) -> list[str]:
+    """Bulleted or numbered items, each with the lines it wraps onto: a PDF breaks "... are subclasses
+    of" / "application/octet-stream." over two lines. A line continues the item before it when that
+    item has no closing punctuation yet and the line starts in lower case or with a symbol (a new
+    sentence or heading starts with a capital), at most MAX_WRAPS lines."""
+    items: list[str] = []
+    wraps = 0
+    for line in lines:
+        if BULLET.match(line) and not OPTION.match(line):
+            items.append(BULLET.sub("", line, count=1))
+            wraps = 0
+        elif (items and wraps < MAX_WRAPS and not items[-1].rstrip().endswith((".", "!", "?", ":", ";"))
+              and not OPTION.match(line) and not TABLE_ROW.match(line) and WRAPPED.match(line)):
+            items[-1] += " " + line
+            wraps += 1
+        else:
+            wraps = MAX_WRAPS  # prose after the list ends the last item
+    return items
 
 
 def section_items(text: str) -> list[str]:
@@ -43,7 +65,7 @@ def section_items(text: str) -> list[str]:
     rows = [line for line in lines if TABLE_ROW.match(line) and not TABLE_RULE.match(line)]
     forms: dict[str, list[str]] = {
         "table": rows[1:] if rows and any(TABLE_RULE.match(line) for line in lines) else rows,
-        "bullet": [BULLET.sub("", line, count=1) for line in lines if BULLET.match(line) and not OPTION.match(line)],
+        "bullet": bullets(lines),
         "option": [line for line in lines if OPTION.match(line)],
     }
     labels: dict[str, list[str]] = {}
@@ -62,7 +84,8 @@ def counted_noun(question: str) -> str:
     if not match:
         return "items"
     words = match.group("noun").rstrip("?.!").split()[:4]
-    plural = next((i for i, w in enumerate(words) if w.lower().endswith("s") and len(w) > 3), None)
+    plural = next((i for i, w in enumerate(words)
+                   if w.lower().endswith("s") and not w.lower().endswith(("ss", "us", "is")) and len(w) > 3), None)
     return " ".join(words[: plural + 1] if plural is not None else words[:1])  # "rules decide…" -> "rules"
 
 
@@ -81,5 +104,7 @@ def supported_items(items: Sequence[str], passages: Sequence[Passage]) -> list[t
 
 def count_answer(question: str, items: Sequence[tuple[str, int]]) -> str:
     """The answer to a counting question from its supported items: the number, then the items."""
-    lines = "\n".join(f"- {item} [{marker}]" for item, marker in items)  # each item cited where it was found
+    # each item cited where it was found, the marker inside the item's sentence (after its full stop it
+    # would read as the start of the next sentence, and the citation check would add a second one)
+    lines = "\n".join(f"- {item.rstrip().rstrip('.')} [{marker}]" for item, marker in items)
     return f"There are {len(items)} {counted_noun(question)}:\n{lines}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from assistant.citations import SourceLedger
+from assistant.citations import SourceLedger, verify_citations
 from assistant.counting import count_answer, counted_noun, section_items, supported_items
 from tools.retrieval import DocumentPrefetch, RetrieverHandle, named_section, retrieval_query
 
@@ -40,6 +41,7 @@ def test_counted_noun():
     assert counted_noun("How many return codes are listed in the Return Codes section?") == "return codes"
     assert counted_noun("How many rules decide a column's affinity?") == "rules"
     assert counted_noun("Count them") == "items"
+    assert counted_noun("How many implicit subclass rules does the spec state?") == "implicit subclass rules"
 
 
 @dataclass
@@ -103,3 +105,26 @@ def test_a_follow_up_is_searched_with_the_previous_question_and_whole_files_need
     assert found.tool == "search_documents"  # "whole" alone is not a request to read whole files
     found = prefetch(retriever)("Summarise a.pdf", SourceLedger())
     assert found.tool == "read_document" and found.arguments == {"documents": ["a.pdf"]}
+
+
+def test_a_bullet_wrapped_over_two_lines_keeps_its_end():
+    text = ("Some subclass rules are implicit:\n• All text/* types are subclasses of text/plain.\n"
+            "• All streamable types (ie, everything except the inode/* types) are subclasses of\n"
+            "application/octet-stream.\nIn addition to these rules, explicit subclass information may be given.")
+    assert section_items(text) == ["All text/* types are subclasses of text/plain.",
+                                   "All streamable types (ie, everything except the inode/* types) are subclasses "
+                                   "of application/octet-stream."]
+    unfinished = "- first item\n- second item\nThe next paragraph starts here."
+    assert section_items(unfinished) == ["first item", "second item"]  # a capitalised line is not a wrap
+
+
+def test_counted_items_carry_one_marker_each_after_the_citation_check():
+    ledger = SourceLedger()
+    ledger.add("spec.pdf", 14, "All text/* types are subclasses of text/plain. All streamable types are "
+               "subclasses of application/octet-stream.", "c1")
+    answer = count_answer("How many implicit subclass rules are there?",
+                          [("All text/* types are subclasses of text/plain.", 1),
+                           ("All streamable types are subclasses of application/octet-stream.", 1)])
+    checked = verify_citations(answer, ledger).text
+    assert checked.count("[1]") == 2, checked
+    assert "application/octet-stream [1]" in checked
