@@ -11,6 +11,10 @@ Design note — a citation is only as good as the evidence behind it:
     min(MIN_SHARED_WORDS, the claim's content words) content words. Then, per marker:
       - a number that names no passage of *this turn* (made up, or from an earlier turn) is removed
         and reported in `dropped_markers`;
+      - when the claim states specific facts (names, numbers, options: `FactSupport`, given by the
+        orchestrator from assistant/grounding.py), the passages that hold the most of them are the
+        supporting ones, whatever the shared words say: "returns IDN2_TOO_BIG_LABEL" is supported by
+        the page that has IDN2_TOO_BIG_LABEL, not by a page that shares more common words;
       - a passage that supports the claim, nearly as well as the best one does, keeps its marker;
       - otherwise the marker moves to the passage that supports the claim best (`reassigned`);
       - and when no passage supports the claim, its marker is removed: no evidence, no citation.
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from assistant.events import Source
 
@@ -47,6 +51,9 @@ STOPWORDS = frozenset(
     "has have had can could will would should may might about which what who whom when where why how all any "
     "each also more most other some such only own same so too very just".split()
 )
+
+
+FactSupport = Callable[[str, "Iterable[Passage]"], Mapping[int, int]]  # (claim, passages) -> marker: facts held
 
 
 @dataclass(frozen=True)
@@ -104,9 +111,11 @@ class CitationCheck:
                 "inferred_markers": list(self.inferred_markers), "reassigned_markers": [list(p) for p in self.reassigned]}
 
 
-def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = True) -> CitationCheck:
+def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = True,
+                     facts: FactSupport | None = None) -> CitationCheck:
     """Assign the answer's markers from evidence (see the design note)."""
     words = {p.marker: content_words(p.text) for p in ledger.passages}
+    held = (lambda claim: facts(claim, ledger.passages)) if facts is not None else (lambda claim: {})
     claims: dict[int, str] = {}  # marker -> the first claim it supports (for the snippet)
     dropped: list[int] = []
     reassigned: list[tuple[int, int]] = []
@@ -118,7 +127,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
             numbers = [int(n) for m in MARKER.finditer(run.group(0)) for n in m.group(1).split(",")]
             kept: list[int] = []
             for n in numbers:
-                chosen = _supporting(n, claim, words) if n in words else None
+                chosen = _supporting(n, claim, words, held(claim)) if n in words else None
                 if n not in words or chosen is None:
                     dropped.append(n)
                     continue
@@ -139,7 +148,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
     inferred: list[int] = []
     if attribute and words:
         def attribute(prose: str) -> str:
-            attributed, used = attribute_sentences(prose, ledger.passages, claims)
+            attributed, used = attribute_sentences(prose, ledger.passages, claims, held)
             inferred.extend(used)
             return attributed
         text = _outside_code(text, attribute, FENCED)
@@ -163,9 +172,13 @@ def _claim(prose: str, start: int, end: int) -> str:
     return claim
 
 
-def _supporting(marker: int, claim: str, words: dict[int, set[str]]) -> int | None:
+def _supporting(marker: int, claim: str, words: dict[int, set[str]], held: Mapping[int, int] = {}) -> int | None:
     """The marker the claim should carry: the model's, the best-supporting passage's, or None."""
     mine = content_words(claim)
+    most = max(held.values(), default=0)
+    if most:  # the claim's facts decide: only passages that hold the most of them support it
+        holders = [n for n in words if held.get(n, 0) == most]
+        return marker if marker in holders else max(holders, key=lambda n: len(mine & words[n]))
     if not mine:
         return marker  # nothing to check against (a bare "[1]"): trust the number
     need = min(MIN_SHARED_WORDS, len(mine))
@@ -176,10 +189,11 @@ def _supporting(marker: int, claim: str, words: dict[int, set[str]]) -> int | No
     return best if shared[best] >= need else None
 
 
-def attribute_sentences(answer: str, passages: Iterable[Passage],
-                        claims: dict[int, str] | None = None) -> tuple[str, list[int]]:
+def attribute_sentences(answer: str, passages: Iterable[Passage], claims: dict[int, str] | None = None,
+                        held: Callable[[str], Mapping[int, int]] = lambda claim: {}) -> tuple[str, list[int]]:
     """Append `[n]` to each uncited sentence that shares at least MIN_SHARED_WORDS content words with
-    passage n (the best such passage). Returns the new text and the markers added."""
+    passage n (the best such passage; among passages that hold the sentence's specific facts when it
+    states any that a passage holds). Returns the new text and the markers added."""
     passages = list(passages)
     words = [(p, content_words(p.text)) for p in passages]
     used: list[int] = []
@@ -189,10 +203,12 @@ def attribute_sentences(answer: str, passages: Iterable[Passage],
             out.append(sentence)
             continue
         mine = content_words(sentence)
+        facts_held = held(sentence)
+        most = max(facts_held.values(), default=0)
         best, best_shared = None, 0
         for passage, theirs in words:
             shared = len(mine & theirs)
-            if shared > best_shared:
+            if shared > best_shared and facts_held.get(passage.marker, 0) == most:
                 best, best_shared = passage, shared
         if best is not None and best_shared >= MIN_SHARED_WORDS:
             stripped = sentence.rstrip()

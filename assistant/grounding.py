@@ -113,6 +113,15 @@ def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) ->
     return Grounding(body, tuple(dict.fromkeys(unsupported)), False)
 
 
+def facts_held(claim: str, passages: Iterable[Passage]) -> dict[int, int]:
+    """How many of the claim's facts each passage holds, by marker (citations.FactSupport): the span
+    match that assigns a claim's citation to the passage its names and numbers come from."""
+    found = list(dict.fromkeys(facts(claim)))
+    if not found:
+        return {}
+    return {p.marker: sum(Evidence([p.text]).holds(f) for f in found) for p in passages}
+
+
 def refusal(passages: Sequence[Passage]) -> str:
     where = list(dict.fromkeys(f"{p.doc} p. {p.page}" if p.page is not None else p.doc for p in passages))
     if not where:

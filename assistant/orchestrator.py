@@ -41,7 +41,7 @@ from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
 from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, Transcribed,
                               TurnEvent, TurnStarted, Usage)
-from assistant.grounding import Evidence, ground
+from assistant.grounding import Evidence, facts_held, ground
 from assistant.routing import Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
@@ -228,7 +228,7 @@ class Orchestrator:
             final = grounding.text
             meta.update(grounding.to_meta())
         if len(turn.ledger) or turn.documents:
-            check = verify_citations(final, turn.ledger)
+            check = verify_citations(final, turn.ledger, facts=facts_held)
             final = check.text
             meta.update(check.to_meta())
             if check.sources or check.dropped_markers:

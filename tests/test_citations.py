@@ -191,3 +191,34 @@ def test_a_sentence_with_inline_code_gets_an_inferred_marker_but_a_code_block_do
     assert check.text == ("The `Zephyr X2` warranty period is 7 years [1].\n```\nZephyr X2 warranty period 7 years\n```"
                           "\nDone.")
     assert check.inferred_markers == (1,) and [s.page for s in check.sources] == [3]
+
+
+def _manual_pages():
+    ledger = SourceLedger()
+    ledger.add("libidn2.pdf", 6, "The library returns an error code for a domain label that is too long, and the "
+               "idn2 functions return error codes for every domain label that fails the checks.", "c6")
+    ledger.add("libidn2.pdf", 11, "IDN2_TOO_BIG_LABEL: Label longer than 63 characters.", "c11")
+    return ledger
+
+
+def test_a_claims_facts_decide_its_citation_over_shared_common_words():
+    from assistant.grounding import facts_held
+
+    answer = "libidn2 returns IDN2_TOO_BIG_LABEL for a domain label that is too long [1]."
+    by_words = verify_citations(answer, _manual_pages())
+    assert [s.page for s in by_words.sources] == [6]  # more common words are shared with page 6
+    by_facts = verify_citations(answer, _manual_pages(), facts=facts_held)
+    assert [s.page for s in by_facts.sources] == [11]  # only page 11 holds IDN2_TOO_BIG_LABEL
+    assert by_facts.reassigned == ((1, 2),) and by_facts.text.endswith("too long [2].")
+    both = verify_citations("It returns IDN2_TOO_BIG_LABEL [1, 2].", _manual_pages(), facts=facts_held)
+    assert both.text == "It returns IDN2_TOO_BIG_LABEL [2]." and [s.page for s in both.sources] == [11]
+    inferred = verify_citations("A domain label longer than 63 characters gives IDN2_TOO_BIG_LABEL.",
+                                _manual_pages(), facts=facts_held)
+    assert inferred.inferred_markers == (2,)
+
+
+def test_a_claim_whose_facts_no_passage_holds_falls_back_to_words_and_gets_no_marker_without_them():
+    from assistant.grounding import facts_held
+
+    check = verify_citations("Paris has 2100000 people [1].", _manual_pages(), facts=facts_held)
+    assert check.text == "Paris has 2100000 people." and check.sources == () and check.dropped_markers == (1,)
