@@ -107,6 +107,7 @@ class TurnState:
         self.breakdown: dict[str, int] = {}
         self.memory: dict[str, str] | None = None
         self.documents = False  # the conversation had documents to cite this turn
+        self.prefer = ""  # the model the user chose for this turn ("small" / "large"; "" = routed per call)
 
     @property
     def text(self) -> str:
@@ -195,7 +196,7 @@ class AgentLoop:
                 turn.memory = {"summary": memory, "through_id": ids[plan.num_summarised - 1]}
                 chat, ids = chat[plan.num_summarised:], ids[plan.num_summarised:]
             route = self.router.choose(prompt_tokens=plan.prompt_tokens, has_documents=bool(turn.ledger),
-                                       after_tool_step=bool(steps))
+                                       after_tool_step=bool(steps), prefer=turn.prefer)
             notices: list[str] = []
             engine, stream = self.router.generate(route, plan.messages, params,
                                                   tools=[t.spec() for t in offered] or None, cancel=cancel,

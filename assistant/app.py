@@ -32,7 +32,7 @@ from assistant.events import ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.keys import Keys, Owners
 from assistant.modalities import Modalities
 from assistant.orchestrator import Orchestrator
-from assistant.routing import Router
+from assistant.routing import LARGE, SMALL, Router
 from assistant.seams import Attachment, InputGuard, PreStage, StreamTransformer, UserInput
 from assistant.store import Conversation, Store, StoredMessage
 from assistant.usage import UsageLedger
@@ -129,6 +129,13 @@ class Models:
     def ids(self) -> list[str]:
         large = self._config.engine.large_model
         return [self.default] + ([large] if large and large != self.default else [])
+
+    def role(self, model_id: str | None) -> str:
+        """The routing role a chosen model id stands for: "large", "small", or "" (routed per call)."""
+        large = self._config.engine.large_model
+        if large and model_id == large and large != self.default:
+            return LARGE
+        return SMALL if model_id == self.default else ""
 
     def engine(self, model_id: str | None = None) -> Engine:
         if model_id in (None, "", self.default) or model_id not in self.ids():

@@ -107,7 +107,8 @@ class Orchestrator:
             yield SafetyVerdict("input", True, verdict.category, verdict.reason, verdict.score, verdict.threshold,
                                 verdict.detector)
         user = self.store.add_message(cid, "user", text, meta=meta)
-        yield from self._answer(cid, user, history, params or self.default_params(), cancel, speak=turn_input.speak)
+        yield from self._answer(cid, user, history, params or self.default_params(), cancel, speak=turn_input.speak,
+                                model=turn_input.model)
 
     def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
                    cancel: threading.Event | None = None, speak: bool = False) -> Iterator[TurnEvent]:
@@ -191,10 +192,11 @@ class Orchestrator:
         yield Done(cid, answer.id, reason, "blocked")
 
     def _answer(self, cid: str, user: StoredMessage, history: list[StoredMessage], params: SamplingParams,
-                cancel: threading.Event | None, *, speak: bool = False) -> Iterator[TurnEvent]:
+                cancel: threading.Event | None, *, speak: bool = False, model: str = "") -> Iterator[TurnEvent]:
         answer = self.store.add_message(cid, "assistant", "", parent_id=user.id, status="partial")
         yield TurnStarted(cid, user.id, answer.id)
         turn = TurnState(cid, SourceLedger())
+        turn.prefer = model
         chat, ids, memory = _prompt_history(history)
         transformers = [t.for_turn(cid) if hasattr(t, "for_turn") else t for t in self.transformers]
         if self.speaker is not None and (speak or self.config.speech.speak_answers):

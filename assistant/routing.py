@@ -9,6 +9,8 @@ Design note — the policy (`RoutingPolicy`):
     (not prepared), is overloaded (`EngineBusy`) or fails before its first token, the call falls
     back to the small model and the orchestrator emits a Notice saying why. A large model that
     could not be loaded is not retried for `retry_after_s`.
+  * a turn may name its model ("small" or "large", `UserInput.model`: the web chat's model menu);
+    every call of that turn then goes to it, with the same fallback.
   Routing only ever picks an engine; both engines see exactly the same messages and tools.
 """
 
@@ -56,10 +58,13 @@ class Router:
     def has_large(self) -> bool:
         return self._large is not None or self._large_factory is not None
 
-    def choose(self, *, prompt_tokens: int, has_documents: bool, after_tool_step: bool) -> Route:
+    def choose(self, *, prompt_tokens: int, has_documents: bool, after_tool_step: bool, prefer: str = "") -> Route:
+        """The engine for one call; `prefer` ("small" or "large") is the user's choice for the turn."""
         p = self.policy
         if not self.has_large:
             return Route(SMALL, "no large model configured")
+        if prefer in (SMALL, LARGE):
+            return Route(prefer, "chosen for this turn")
         if prompt_tokens >= p.long_prompt_tokens:
             return Route(LARGE, f"long prompt ({prompt_tokens} tokens)")
         if has_documents and p.large_for_documents:

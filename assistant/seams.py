@@ -44,6 +44,7 @@ class UserInput:
     images: tuple[Attachment, ...] = ()  # pictures; their descriptions enter the model's context
     files: tuple[Attachment, ...] = ()  # documents to ingest before the question is answered
     speak: bool = False  # also answer in speech (AudioChunk events), whatever the config's default
+    model: str = ""  # "" = routed per engine call (assistant/routing.py); "small" or "large" = that model all turn
 
     @classmethod
     def of(cls, value: "UserInput | str") -> "UserInput":

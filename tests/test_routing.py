@@ -88,3 +88,32 @@ def test_prompts_fit_the_smaller_window_once_the_large_engine_is_loaded():
     assert router.context_window == 32768  # the large one is not loaded yet
     router.large()
     assert router.context_window == 8192
+
+
+def test_a_turn_can_name_its_model(tmp_path):
+    from assistant.seams import UserInput
+
+    router = Router(ScriptedEngine(), Large(), RoutingPolicy(long_prompt_tokens=100))
+    assert router.choose(prompt_tokens=10, has_documents=False, after_tool_step=False, prefer=LARGE).role == LARGE
+    assert router.choose(prompt_tokens=10**6, has_documents=True, after_tool_step=True, prefer=SMALL).role == SMALL
+    assert Router(ScriptedEngine()).choose(prompt_tokens=1, has_documents=False, after_tool_step=False,
+                                           prefer=LARGE).role == SMALL  # nothing large to choose
+    large = Large(["large answer"])
+    orch, small = _orch(tmp_path, ["small answer"], large)
+    done = list(orch.run_turn(None, UserInput("hi", model=LARGE)))[-1]
+    assert done.text == "large answer" and len(small.prompts) == 0
+    assert orch.store.get_message(done.message_id).meta["route"] == LARGE
+    done = list(orch.run_turn(None, UserInput("z" * 2000, model=SMALL)))[-1]  # long, yet the user chose small
+    assert done.text == "small answer" and len(large.prompts) == 1
+
+
+def test_the_facade_maps_a_chosen_model_id_to_a_role():
+    from assistant.app import Models
+    from assistant.config import AssistantConfig
+
+    config = AssistantConfig.load(env={}, overrides={"engine.large_model": "large"})
+    models = Models(config, Router(ScriptedEngine(), Large()))
+    assert models.role("large") == LARGE and models.role(config.engine.model) == SMALL
+    assert models.role("auto") == "" and models.role(None) == ""
+    alone = Models(AssistantConfig.load(env={}), Router(ScriptedEngine()))
+    assert alone.role("large") == ""

@@ -30,6 +30,7 @@ from assistant.seams import Attachment, UserInput
 from ui.render import (TurnView, conversation_label, history_messages, library_markdown, may_see, usage_meter,
                        visible_conversations)
 
+AUTO_MODEL = "Automatic"
 TITLE = "Offline Assistant"
 LOCAL_USER = "local"  # the login's user name for the open server's key-less user
 COOKIE = "assistant-web-session"
@@ -224,8 +225,9 @@ def build_app(assistant: Any) -> Any:
         player = gr.Audio(label="Voice answer", streaming=True, autoplay=True, interactive=False,
                           elem_id="player", visible=bool(assistant.config.speech.speak_answers))
         with gr.Accordion("Advanced", open=False, elem_id="advanced"):
-            model = gr.Dropdown(choices=ids, value=ids[0], label="Model", elem_id="model",
-                                info="Long or tool-heavy turns go to the large model when one is configured.")
+            model = gr.Dropdown(choices=[(AUTO_MODEL, "auto"), *ids], value="auto", label="Model", elem_id="model",
+                                info="Automatic: document and tool-heavy turns go to the large model when one is "
+                                "configured, the rest to the small one.")
             temperature = gr.Slider(0.0, 1.5, value=defaults.temperature, step=0.05, label="Temperature",
                                     elem_id="temperature")
             max_tokens = gr.Slider(16, 4096, value=defaults.max_tokens, step=16, label="Max answer tokens",
@@ -251,7 +253,7 @@ def build_app(assistant: Any) -> Any:
                     usage_meter(view.usage) if view.usage else gr.skip(), wav_bytes(audio) if audio else gr.skip())
 
         def chat(message: Any, history: list[dict], cid: str | None, voice: bool, temp: float, tokens: float,
-                 request: gr.Request):
+                 choice: str, request: gr.Request):
             text, paths = (message.get("text", ""), list(message.get("files") or [])) if isinstance(message, dict) \
                 else (message or "", [])
             text = (text or "").strip()
@@ -268,7 +270,8 @@ def build_app(assistant: Any) -> Any:
             view.status = "Transcribing…" if audio else "Reading the attachments…" if files else "Thinking…"
             yield None, history + view.messages(), cid, view.status, gr.skip(), gr.skip()
             cancel = web.begin(request.session_hash or "")
-            user_input = UserInput(text, audio=audio, images=images, files=files, speak=bool(voice))
+            user_input = UserInput(text, audio=audio, images=images, files=files, speak=bool(voice),
+                                   model=assistant.models.role(choice))
             events = assistant.turn(cid, user_input, params=web.params(temp, tokens), cancel=cancel)
             for view in web.run(view, events, cid, key_id):
                 yield None, *turn_outputs(view, history, cid)
@@ -395,7 +398,7 @@ def build_app(assistant: Any) -> Any:
             return cid or ""
 
         # -- wiring -----------------------------------------------------------------------------
-        settings = [speak, temperature, max_tokens]
+        settings = [speak, temperature, max_tokens, model]
         shown = [chatbot, conversation, status, usage, player]
         refresh_sidebar = dict(fn=sidebar, inputs=[conversation, search], outputs=[past, title_box], api_name=False,
                                queue=False)
