@@ -4,6 +4,7 @@
     /v1/audio/...    transcriptions and speech, in OpenAI's shapes (assistant/server/audio.py)
     /v1/moderations  the safety layer's scores and verdict, in OpenAI's shape (assistant/server/moderations.py)
     /api/turns ...   the full assistant turn as server-sent TurnEvents (assistant/server/turns.py)
+    /api/conversations, /api/documents   the caller's conversations and documents (assistant/server/rest.py)
     /metrics         Prometheus metrics (assistant/server/metrics.py)
     /                the Gradio web chat (ui/gradio_app.py), mounted last
 
@@ -31,7 +32,8 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
     from assistant.server.gateway import Gateway
     from assistant.server.middleware import GatewayMiddleware
     from assistant.server.openai import create_api
-    from assistant.server.turns import create_turn_routes
+    from assistant.server.rest import create_rest_api
+    from assistant.server.turns import TurnRunner, create_turn_routes
 
     gateway = gateway or Gateway.from_assistant(assistant)
     app = FastAPI(title=TITLE)
@@ -40,7 +42,9 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
                        max_upload_bytes=gateway.max_upload_bytes, metrics=gateway.metrics)
     app.include_router(create_api(assistant.models.engine(), model_name=assistant.models.default,
                                   assistant=assistant, gateway=gateway))
-    app.include_router(create_turn_routes(assistant, gateway=gateway))
+    turns = TurnRunner(assistant, gateway)  # one set of running turns: any of them cancelled at /api/turns
+    app.include_router(create_turn_routes(assistant, runner=turns))
+    app.include_router(create_rest_api(turns))
     if getattr(assistant, "media", None) is not None:
         from assistant.server.audio import create_audio_api
 

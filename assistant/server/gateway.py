@@ -162,8 +162,14 @@ class Gateway:
         return owner == principal.key_id if principal.key_id else owner is None
 
     def claim(self, principal: Principal, kind: str, resource_id: str) -> None:
-        if self.owners is not None and principal.key_id:
+        """Record the caller's key as the owner, unless the resource has one already (a re-upload)."""
+        if self.owners is not None and principal.key_id and self.owners.owner(kind, resource_id) is None:
             self.owners.claim(kind, resource_id, principal.key_id)
+
+    def forget(self, kind: str, resource_id: str) -> None:
+        """Drop the owner row of a deleted resource."""
+        if self.owners is not None:
+            self.owners.forget(kind, resource_id)
 
     def close(self) -> None:
         self.limiter.close()

@@ -29,8 +29,10 @@ Send = Callable[[Message], Awaitable[None]]
 
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# routes that take uploads (server.max_upload_bytes): OpenAI's audio, the turn endpoint, the web chat's files
-UPLOAD_PREFIXES = ("/v1/audio/transcriptions", "/api/turns", "/gradio_api/upload", "/upload")
+# routes that take uploads (server.max_upload_bytes): OpenAI's audio, the turn endpoints, the document library,
+# the web chat's files
+UPLOAD_PREFIXES = ("/v1/audio/transcriptions", "/api/turns", "/api/conversations", "/api/documents",
+                   "/gradio_api/upload", "/upload")
 access_log = logging.getLogger("assistant.access")
 
 
@@ -45,7 +47,7 @@ def new_trace(traceparent: str | None) -> tuple[str, str, str]:
 def _route(path: str) -> str:
     """A low-cardinality label for metrics: the API routes by name, everything else as 'other'."""
     for prefix in ("/v1/chat/completions", "/v1/embeddings", "/v1/models", "/api/turns", "/api/conversations",
-                   "/metrics"):
+                   "/api/documents", "/metrics"):
         if path.startswith(prefix):
             return prefix
     return "other"

@@ -1,4 +1,4 @@
-"""Request models of the /v1 API: every client mistake is caught here, before any engine work.
+"""Request models of the /v1 and /api routes: every client mistake is caught here, before any engine work.
 
 The models are strict (no "0.7" for a number, no "5" for a seed, no 1 for a stop string), floats must
 be finite (Python's json accepts NaN and Infinity), and unknown fields are ignored like OpenAI's
@@ -6,7 +6,9 @@ optional extras. Content may be a list of parts: text parts are joined, `image_u
 `data:image/...;base64,` URLs (the server never fetches from the network) and are decoded into the
 message's `images` (bytes), which the API describes with the vision backend before the model sees them.
 `parse_chat_request(raw_bytes)` returns a `ChatCompletionRequest` or raises
-`RequestError` with the OpenAI error fields (message, param) for an HTTP 400.
+`RequestError` with the OpenAI error fields (message, param) for an HTTP 400. The /api routes' bodies
+(turns, conversations: TurnRequest, Rename, Edit, ...) are declared in their routes' signatures, so
+FastAPI validates them and the OpenAPI schema shows them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import base64
 import binascii
 import json
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from assistant.engine.base import SamplingParams
+from assistant.seams import Attachment, UserInput
 
 MAX_TOKENS_DEFAULT = 512
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -323,12 +326,90 @@ def _validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        error = e.errors(include_url=False)[0]
-        param = _param(tuple(error["loc"]))
-        message = str(error["msg"]).removeprefix("Value error, ")
-        raise RequestError(f"{param}: {message}" if param else message, param) from None
+        raise RequestError(*first_error(e.errors(include_url=False))) from None
+
+
+def first_error(errors: Any) -> tuple[str, str | None]:
+    """(message, param) of the first of pydantic's `errors`, as the API reports a 400."""
+    error = errors[0]
+    param = _param(tuple(error["loc"]))
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
 
 
 def parse_embeddings_request(raw: bytes) -> EmbeddingsRequest:
     """Decode and validate a /v1/embeddings body, or raise RequestError."""
     return _validate(EmbeddingsRequest, _decode(raw))
+
+
+# -- the /api routes (turns.py, rest.py) ------------------------------------------------------------
+MAX_TURN_TEXT = 100_000
+MAX_TITLE = 200
+
+
+class FilePart(BaseModel):
+    name: str = Field(min_length=1, max_length=255, description="file name, e.g. question.webm")
+    data: str = Field(description="the file's bytes, base64")
+
+    @field_validator("data")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            if not base64.b64decode(value, validate=True):
+                raise ValueError("the file is empty")
+        except binascii.Error as e:
+            raise ValueError(f"data is not valid base64 ({e})") from None
+        return value
+
+    def attachment(self) -> Attachment:
+        return Attachment(self.name, data=base64.b64decode(self.data))
+
+
+class TurnInput(BaseModel):
+    """One turn of a stored conversation (POST /api/conversations/{id}/turns)."""
+
+    text: str = Field(default="", max_length=MAX_TURN_TEXT, description="the user's message ('' when audio carries it)")
+    max_tokens: int | None = Field(default=None, ge=1, le=32768, description="answer length limit")
+    audio: FilePart | None = Field(default=None, description="the question spoken: its transcript becomes the message")
+    images: list[FilePart] = Field(default_factory=list, max_length=MAX_IMAGES,
+                                   description="pictures the question is about")
+    speak: bool = Field(default=False, description="also answer in speech (`audio` events)")
+
+    @model_validator(mode="after")
+    def _something_to_answer(self) -> "TurnInput":
+        if not self.text.strip() and self.audio is None and not self.images:
+            raise ValueError("send `text`, or `audio` with the spoken question, or `images`")
+        return self
+
+    def user_input(self) -> UserInput:
+        return UserInput(self.text, self.audio.attachment() if self.audio else None,
+                         tuple(i.attachment() for i in self.images), speak=self.speak)
+
+
+class TurnRequest(TurnInput):
+    """POST /api/turns: a turn of a new conversation, or of `conversation_id`."""
+
+    conversation_id: str | None = Field(default=None, description="continue this conversation (default: a new one)")
+
+
+class NewConversation(_Strict):
+    title: str = Field(default="", max_length=MAX_TITLE, description="shown in conversation lists")
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be blank")
+    return value.strip()
+
+
+class Rename(_Strict):
+    title: Annotated[str, AfterValidator(_not_blank)] = Field(max_length=MAX_TITLE, description="the new title")
+
+
+class Regenerate(_Strict):
+    max_tokens: Optional[int] = Field(None, ge=1, le=32768, description="answer length limit")
+
+
+class Edit(Regenerate):
+    text: Annotated[str, AfterValidator(_not_blank)] = Field(max_length=MAX_TURN_TEXT,
+                                                             description="the question, as it should have been")

@@ -1,4 +1,5 @@
-"""A StreamingResponse that closes its source the moment the response ends, however it ends.
+"""Server-sent events: one event's text (`server_sent`), and a StreamingResponse that closes its source
+the moment the response ends, however it ends.
 
 Starlette iterates a synchronous generator in the threadpool and, when the client goes away, cancels
 that iteration but leaves the generator suspended; it is closed only when the garbage collector
@@ -10,10 +11,16 @@ The close runs in the threadpool (it may write to the store), shielded from the 
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator
 
 import anyio
 from fastapi.responses import StreamingResponse
+
+
+def server_sent(kind: str, data: dict[str, Any]) -> str:
+    """One event of a text/event-stream: `event: <kind>` and its JSON `data`."""
+    return f"event: {kind}\ndata: {json.dumps(data, default=str)}\n\n"
 
 
 class ClosingStreamingResponse(StreamingResponse):
