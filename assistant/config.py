@@ -38,6 +38,9 @@ from typing import Any, Mapping
 
 from assistant.errors import ConfigError
 
+AUTO = "auto"  # engine.large_model: the packaged large model if it is prepared, else none
+AUTO_LARGE_MODEL = "large"
+
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful, honest assistant running fully offline on the user's own machine. "
     "Answer concisely and correctly. If you do not know, say so."
@@ -47,7 +50,9 @@ DEFAULT_SYSTEM_PROMPT = (
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "qwen2.5-coder-0.5b"  # a name from `assistant models list`, a local HF dir, or a .gguf file
-    large_model: str = ""  # optional second model for tool-heavy / long turns (e.g. "large"); "" = route nothing
+    # second model for document, tool-heavy and long turns (assistant/routing.py): "auto" = the packaged 1.5B
+    # when it is prepared (`make run` prepares it), a model name or path, or "" = every turn on engine.model
+    large_model: str = "auto"
     device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16"
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = one per two vCPUs (see engine/loading.py)
@@ -236,7 +241,8 @@ class AssistantConfig:
                 f"Unknown model {e.model!r} in engine.model. Available: {', '.join(known_model_names())}; "
                 "or give the path of a local Hugging Face model directory or a .gguf file."
             )
-        if e.large_model and e.large_model not in known_model_names() and not _looks_like_path(e.large_model):
+        if e.large_model not in ("", AUTO) and e.large_model not in known_model_names() \
+                and not _looks_like_path(e.large_model):
             raise ConfigError(
                 f"Unknown model {e.large_model!r} in engine.large_model. Available: {', '.join(known_model_names())}; "
                 "or a local model path; or \"\" to serve every turn with engine.model."

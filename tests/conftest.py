@@ -8,7 +8,9 @@ Use `need(condition, what, fix)` inside such a test to express the requirement.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -77,7 +79,25 @@ def models_dir() -> Path:
     need(prepared_path(resolve_model_name("qwen2.5-coder-0.5b"), path) is not None,
          f"the prepared default model in {path}",
          "run `make test` or `assistant models prepare` (set ASSISTANT_MODELS_DIR to share it)")
-    return path
+    return _without_large(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _without_large(path: Path) -> Path:
+    """The models dir as the tests see it: engine.large_model = "auto" routes document turns to the 1.5B
+    model wherever it is prepared (`make run` prepares it), which would make every document test
+    load it (~10 GB, 3x slower). Unless ASSISTANT_TEST_LARGE=1, tests get a view of the models dir
+    without it (symlinks to everything else), as on a CI machine that never prepared it."""
+    from assistant.models import resolve_model_name
+
+    large = resolve_model_name("large").name
+    if os.environ.get("ASSISTANT_TEST_LARGE") == "1" or not (path / large).exists():
+        return path
+    view = Path(tempfile.mkdtemp(prefix="models-view-"))
+    for entry in path.iterdir():
+        if entry.name != large:
+            (view / entry.name).symlink_to(entry)
+    return view
 
 
 def media_model(name: str) -> Path:

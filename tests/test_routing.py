@@ -117,3 +117,27 @@ def test_the_facade_maps_a_chosen_model_id_to_a_role():
     assert models.role("auto") == "" and models.role(None) == ""
     alone = Models(AssistantConfig.load(env={}), Router(ScriptedEngine()))
     assert alone.role("large") == ""
+
+
+def test_auto_large_model_is_the_packaged_one_only_when_it_is_prepared(tmp_path):
+    import json
+
+    from assistant.app import with_large_model
+    from assistant.config import AssistantConfig
+    from assistant.models import FORMAT_VERSION, PREPARED_MARKER, resolve_model_name
+
+    config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "models_dir": str(tmp_path / "m")})
+    assert config.engine.large_model == "auto"
+    assert with_large_model(config).engine.large_model == ""  # nothing prepared: every turn on the small model
+    spec = resolve_model_name("large")
+    folder = tmp_path / "m" / spec.name
+    folder.mkdir(parents=True)
+    (folder / PREPARED_MARKER).write_text(json.dumps({"sha256": spec.sha256, "format": FORMAT_VERSION}))
+    assert with_large_model(config).engine.large_model == "large"
+    off = AssistantConfig.load(env={"ASSISTANT_ENGINE_LARGE_MODEL": ""}, overrides={"models_dir": str(tmp_path / "m")})
+    assert with_large_model(off).engine.large_model == ""  # "" turns routing off
+    same = AssistantConfig.load(env={}, overrides={"models_dir": str(tmp_path / "m"), "engine.model": "large"})
+    assert with_large_model(same).engine.large_model == ""  # the large model is already the only one
+    remote = AssistantConfig.load(env={}, overrides={"models_dir": str(tmp_path / "m"),
+                                                     "engine.remote_url": "http://127.0.0.1:9/v1"})
+    assert with_large_model(remote).engine.large_model == ""
