@@ -222,3 +222,11 @@ def test_a_claim_whose_facts_no_passage_holds_falls_back_to_words_and_gets_no_ma
 
     check = verify_citations("Paris has 2100000 people [1].", _manual_pages(), facts=facts_held)
     assert check.text == "Paris has 2100000 people." and check.sources == () and check.dropped_markers == (1,)
+
+
+def test_a_stray_marker_after_a_cited_sentence_is_dropped_not_reattributed():
+    check = verify_citations("The warranty period is 7 years [1]. [2]", _ledger())
+    assert check.text == "The warranty period is 7 years [1]." and [s.marker for s in check.sources] == [1]
+    assert check.dropped_markers == (2,)
+    kept = verify_citations("The warranty period is 7 years [1]. It is a compact air purifier [2].", _ledger())
+    assert [s.marker for s in kept.sources] == [1, 2]  # a run after words of its own is a claim's
