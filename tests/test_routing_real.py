@@ -58,7 +58,8 @@ def test_simple_turn_small_document_turn_large(models_dir, tmp_path, closing):
         list(ingester.ingest([_write_pdf(tmp_path / "zephyr_manual.pdf")]))
     finally:
         ingester.close()
-    orch = closing(build_assistant(replace(config, engine=replace(config.engine, large_model="large")))).orchestrator
+    assert config.engine.large_model == "auto"  # the default: the prepared 1.5B takes the document turns
+    orch = closing(build_assistant(config)).orchestrator
     simple = list(orch.run_turn(None, "What is the capital of France?"))[-1]
     assert "Paris" in simple.text
     assert orch.store.get_message(simple.message_id).meta["route"] == "small"
