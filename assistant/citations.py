@@ -55,7 +55,7 @@ STOPWORDS = frozenset(
 )
 
 
-FactSupport = Callable[[str, "Iterable[Passage]"], Mapping[int, int]]  # (claim, passages) -> marker: facts held
+FactSupport = Callable[["Iterable[Passage]"], Callable[[str], Mapping[int, int]]]  # passages -> claim -> facts held
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
                      facts: FactSupport | None = None) -> CitationCheck:
     """Assign the answer's markers from evidence (see the design note)."""
     words = {p.marker: content_words(p.text) for p in ledger.passages}
-    held = (lambda claim: facts(claim, ledger.passages)) if facts is not None else (lambda claim: {})
+    held = facts(ledger.passages) if facts is not None else (lambda claim: {})
     claims: dict[int, str] = {}  # marker -> the first claim it supports (for the snippet)
     dropped: list[int] = []
     reassigned: list[tuple[int, int]] = []

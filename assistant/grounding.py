@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from assistant.citations import NUMBER_WORDS, Passage
 
@@ -113,13 +113,17 @@ def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) ->
     return Grounding(body, tuple(dict.fromkeys(unsupported)), False)
 
 
-def facts_held(claim: str, passages: Iterable[Passage]) -> dict[int, int]:
-    """How many of the claim's facts each passage holds, by marker (citations.FactSupport): the span
-    match that assigns a claim's citation to the passage its names and numbers come from."""
-    found = list(dict.fromkeys(facts(claim)))
-    if not found:
-        return {}
-    return {p.marker: sum(Evidence([p.text]).holds(f) for f in found) for p in passages}
+def facts_held(passages: Iterable[Passage]) -> Callable[[str], dict[int, int]]:
+    """citations.FactSupport: for a claim, how many of its facts each passage holds, by marker (the
+    span match that assigns a claim's citation to the passage its names and numbers come from).
+    Each passage is folded once per answer, not once per claim."""
+    folded = [(p.marker, Evidence([p.text])) for p in passages]
+
+    def held(claim: str) -> dict[int, int]:
+        found = list(dict.fromkeys(facts(claim)))
+        return {marker: sum(e.holds(f) for f in found) for marker, e in folded} if found else {}
+
+    return held
 
 
 def refusal(passages: Sequence[Passage]) -> str:

@@ -7,9 +7,11 @@ Use `need(condition, what, fix)` inside such a test to express the requirement.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -94,6 +96,7 @@ def _without_large(path: Path) -> Path:
     if os.environ.get("ASSISTANT_TEST_LARGE") == "1" or not (path / large).exists():
         return path
     view = Path(tempfile.mkdtemp(prefix="models-view-"))
+    atexit.register(shutil.rmtree, view, True)  # symlinks only: the models themselves stay
     for entry in path.iterdir():
         if entry.name != large:
             (view / entry.name).symlink_to(entry)
