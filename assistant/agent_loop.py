@@ -22,6 +22,9 @@ Design note — one step loop, two doors:
   answer. A call the model already made in this turn is not run again (small models loop on a failing
   call); the model is told so instead. The model's mistakes become observations; our failures
   (ToolUnavailable, EngineError) propagate to the turn, which reports them.
+  A turn's document scope (`TurnState.scope`: the doc ids it may search and read, None = all) goes
+  to the prefetch and, in the ToolContext, to the document tools (tools/retrieval.py); a document
+  tool with nothing in scope is not offered, so an empty scope is a turn over an empty library.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from assistant.seams import InputGuard, StreamTransformer
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
 from tools.base import ToolContext, ToolResult
 from tools.registry import ToolRegistry
+from tools.retrieval import SCOPE
 
 FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
 FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in plain text, using the tool results "
@@ -94,8 +98,9 @@ class Emitter:
 class TurnState:
     """Accumulators of one turn (text shown, tokens, steps) shared by the loop and the turn's finaliser."""
 
-    def __init__(self, cid: str, ledger: SourceLedger) -> None:
+    def __init__(self, cid: str, ledger: SourceLedger, scope: frozenset[str] | None = None) -> None:
         self.cid, self.ledger = cid, ledger
+        self.scope = scope  # doc ids this turn may search and read; None = the whole library
         self.parts: list[str] = []
         self.steps: list[dict[str, Any]] = []
         self.quarantined: list[dict[str, Any]] = []  # verdicts of observed text fenced as data
@@ -138,7 +143,7 @@ class TurnState:
                 "all_prompt_tokens": self.all_prompt_tokens, "breakdown": self.breakdown}
 
 
-Prefetch = Callable[[str, SourceLedger, list], Any]  # (question, ledger, earlier user questions) -> Prefetched | None
+Prefetch = Callable[..., Any]  # (question, ledger, earlier user questions, *, scope) -> Prefetched | None
 Summarize = Callable[[str, list, int], str]
 
 
@@ -169,10 +174,10 @@ class AgentLoop:
     # -- the steps ------------------------------------------------------------------------------
     def run(self, turn: TurnState, user: Message, chat: list[Message], ids: list[str], memory: str,
             params: SamplingParams, cancel: threading.Event | None, flush: Callable[[str], None]) -> Iterator[TurnEvent]:
-        tools = self.tools.enabled(turn.cid)
+        tools = [t for t in self.tools.enabled(turn.cid) if _within(t, turn.scope)]
         by_name = {t.name: t for t in tools}
         turn.documents = "search_documents" in by_name  # markers are checked whenever documents could be cited
-        ctx = ToolContext(turn.cid, turn.ledger)
+        ctx = ToolContext(turn.cid, turn.ledger, extra={SCOPE: turn.scope})
         emitter = Emitter(self.transformers, turn.parts)
         history = [m["content"] for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
         context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
@@ -272,7 +277,7 @@ class AgentLoop:
         returns (context, what was prefetched or None)."""
         if not (enabled and self.options.auto_retrieve and self.prefetch is not None):
             return [], None
-        found = self.prefetch(question, turn.ledger, history)
+        found = self.prefetch(question, turn.ledger, history, scope=turn.scope)
         if found is None:
             return [], None
         call_id = {"read_document": "auto_read", "read_section": "auto_section"}.get(found.tool, "auto_search")
@@ -285,3 +290,9 @@ class AgentLoop:
                 yield verdict
             context.append(observed)
         return context, found
+
+
+def _within(tool: Any, scope: frozenset[str] | None) -> bool:
+    """Whether `tool` has anything to work on in a turn limited to `scope` (a document tool may not)."""
+    check = getattr(tool, "available_for", None)
+    return scope is None or not callable(check) or bool(check(scope))

@@ -181,23 +181,24 @@ class Assistant:
     documents: Documents
     models: Models
     keys: Keys | None = None  # API keys (hashed) in the store's database; None only for hand-built facades
-    owners: Owners | None = None  # which key created which conversation
+    owners: Owners | None = None  # which key created which conversation or document, and conversations' files
     usage: UsageLedger | None = None  # one row per API request
     _closers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     safety: Any = None  # assistant.safety.layer.SafetyLayer (policies, audit, moderation); None when disabled
     media: Modalities | None = None  # voice and vision: transcribe / speak / describe (backends load on first use)
 
     def turn(self, conversation_id: str | None, user_input: UserInput | str, *, params: SamplingParams | None = None,
-             cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
-        return self.orchestrator.run_turn(conversation_id, user_input, params=params, cancel=cancel)
+             cancel: threading.Event | None = None, scope: frozenset[str] | None = None) -> Iterator[TurnEvent]:
+        """`scope`: the doc ids the turn may search and read (None = the whole library; see orchestrator.py)."""
+        return self.orchestrator.run_turn(conversation_id, user_input, params=params, cancel=cancel, scope=scope)
 
     def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
-                   cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
-        return self.orchestrator.regenerate(conversation_id, params=params, cancel=cancel)
+                   cancel: threading.Event | None = None, scope: frozenset[str] | None = None) -> Iterator[TurnEvent]:
+        return self.orchestrator.regenerate(conversation_id, params=params, cancel=cancel, scope=scope)
 
     def edit(self, conversation_id: str, message_id: str, text: str, *, params: SamplingParams | None = None,
-             cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
-        return self.orchestrator.edit(conversation_id, message_id, text, params=params, cancel=cancel)
+             cancel: threading.Event | None = None, scope: frozenset[str] | None = None) -> Iterator[TurnEvent]:
+        return self.orchestrator.edit(conversation_id, message_id, text, params=params, cancel=cancel, scope=scope)
 
     def prompt_texts(self) -> list[str]:
         """Every fixed text the model is shown besides the user's: the system prompt, the tools'

@@ -24,6 +24,10 @@ Design note — the turn:
   the user sees (after the output guard) and its AudioChunk events interleave with the text.
   History is the active branch (store.py): `regenerate` answers the last question again as a
   sibling answer, `edit` adds a sibling user message; old branches stay reachable by id.
+  Document scope: each entry point takes `scope`, the doc ids the turn may search and read (the
+  server computes it from the caller's key and the conversation: assistant/keys.py DocumentAccess);
+  None, the default of the local single user, is the whole library, and an empty set an empty one.
+  A scoped turn ingests no attached files: the front end uploads them first, so they have an owner.
 """
 
 from __future__ import annotations
@@ -76,9 +80,15 @@ class Orchestrator:
 
     # -- entry points ---------------------------------------------------------------------------
     def run_turn(self, conversation_id: str | None, user_input: UserInput | str, *,
-                 params: SamplingParams | None = None, cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
+                 params: SamplingParams | None = None, cancel: threading.Event | None = None,
+                 scope: frozenset[str] | None = None) -> Iterator[TurnEvent]:
         turn_input = UserInput.of(user_input)
         meta: dict[str, Any] = {}
+        if turn_input.files and scope is not None:  # they would be nobody's, and outside the scope
+            yield Error("Files cannot be attached to this turn: upload them as documents first "
+                        "(they then belong to you), then ask about them.")
+            yield Done(conversation_id or "", "", "", "error")
+            return
         try:
             text = yield from self._prestage(turn_input, meta)
         except AssistantError as e:  # nothing was stored yet: say why, end the turn
@@ -108,10 +118,11 @@ class Orchestrator:
                                 verdict.detector)
         user = self.store.add_message(cid, "user", text, meta=meta)
         yield from self._answer(cid, user, history, params or self.default_params(), cancel, speak=turn_input.speak,
-                                model=turn_input.model)
+                                model=turn_input.model, scope=scope)
 
     def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
-                   cancel: threading.Event | None = None, speak: bool = False) -> Iterator[TurnEvent]:
+                   cancel: threading.Event | None = None, speak: bool = False,
+                   scope: frozenset[str] | None = None) -> Iterator[TurnEvent]:
         """Answer the active branch's last question again; the old answer stays as a sibling."""
         path = self.store.history(conversation_id)
         users = [i for i, m in enumerate(path) if m.role == "user" and m.status != "blocked"]
@@ -120,10 +131,11 @@ class Orchestrator:
         user = path[users[-1]]
         self.store.set_head(conversation_id, user.id)
         yield from self._answer(conversation_id, user, path[:users[-1]], params or self.default_params(), cancel,
-                                speak=speak)
+                                speak=speak, scope=scope)
 
     def edit(self, conversation_id: str, message_id: str, new_text: str, *, params: SamplingParams | None = None,
-             cancel: threading.Event | None = None, speak: bool = False) -> Iterator[TurnEvent]:
+             cancel: threading.Event | None = None, speak: bool = False,
+             scope: frozenset[str] | None = None) -> Iterator[TurnEvent]:
         """Replace a user message by a new one on a new branch and answer it; the old branch stays."""
         old = self.store.get_message(message_id)
         if old.conversation_id != conversation_id or old.role != "user":
@@ -137,7 +149,8 @@ class Orchestrator:
             return
         user = self.store.add_message(conversation_id, "user", text, parent_id=old.parent_id,
                                       meta={"edited_from": old.id})
-        yield from self._answer(conversation_id, user, history, params or self.default_params(), cancel, speak=speak)
+        yield from self._answer(conversation_id, user, history, params or self.default_params(), cancel, speak=speak,
+                                scope=scope)
 
     # -- one turn -------------------------------------------------------------------------------
     def _guard(self, cid: str) -> InputGuard:
@@ -192,10 +205,11 @@ class Orchestrator:
         yield Done(cid, answer.id, reason, "blocked")
 
     def _answer(self, cid: str, user: StoredMessage, history: list[StoredMessage], params: SamplingParams,
-                cancel: threading.Event | None, *, speak: bool = False, model: str = "") -> Iterator[TurnEvent]:
+                cancel: threading.Event | None, *, speak: bool = False, model: str = "",
+                scope: frozenset[str] | None = None) -> Iterator[TurnEvent]:
         answer = self.store.add_message(cid, "assistant", "", parent_id=user.id, status="partial")
         yield TurnStarted(cid, user.id, answer.id)
-        turn = TurnState(cid, SourceLedger())
+        turn = TurnState(cid, SourceLedger(), None if scope is None else frozenset(scope))
         turn.prefer = model
         chat, ids, memory = _prompt_history(history)
         transformers = [t.for_turn(cid) if hasattr(t, "for_turn") else t for t in self.transformers]

@@ -234,3 +234,62 @@ def test_empty_reply_after_a_tool_step_asks_once_more_without_tools(tmp_path):
     orch, engine = make_orchestrator(tmp_path, CALL, "", "The sum is 5.", tools=[AddTool()])
     events = list(orch.run_turn(None, "2+3"))
     assert events[-1].text == "The sum is 5." and engine.tools_seen[2] is None
+
+
+# -- a turn's document scope (tools/retrieval.py ScopedHandle) ------------------------------------------
+TWO_KEYS = {"/docs/alice_secret.txt": ["The vault code is 4471."],
+            "/docs/bob_notes.txt": ["The garden gate code is green and the vault is elsewhere."]}
+BOBS = frozenset({"/docs/bob_notes.txt"})
+
+
+def test_a_scoped_handle_shows_only_its_documents_to_every_retrieval_path():
+    from assistant.citations import SourceLedger
+    from tools.retrieval import DocumentPrefetch, RetrieverHandle, read_pages, search_passages
+    from tests.agent_fakes import FakeRetriever
+
+    handle = RetrieverHandle(lambda: FakeRetriever(TWO_KEYS))
+    bobs = handle.scoped(BOBS)
+    assert [d["file_name"] for d in bobs.get().documents()] == ["bob_notes.txt"] and bobs.has_documents()
+    assert {p.doc for p in search_passages(bobs, SourceLedger(), "vault code")} == {"bob_notes.txt"}
+    assert search_passages(bobs, SourceLedger(), "vault code", document="alice_secret.txt") == []
+    assert {p.doc for p in search_passages(handle, SourceLedger(), "vault code")} == {"alice_secret.txt",
+                                                                                      "bob_notes.txt"}
+    with pytest.raises(ToolInputError) as outside:
+        read_pages(bobs, "alice_secret.txt")
+    with pytest.raises(ToolInputError) as unknown:
+        read_pages(bobs, "nope.txt")
+    assert str(outside.value) == str(unknown.value).replace("nope.txt", "alice_secret.txt") == \
+        "No document 'alice_secret.txt'. Documents: bob_notes.txt."
+    assert [p.text for p in read_pages(bobs, "bob_notes.txt")] == TWO_KEYS["/docs/bob_notes.txt"]
+    prefetch = DocumentPrefetch(handle)
+    ledger = SourceLedger()
+    found = prefetch("What is the vault code in the document?", ledger, scope=BOBS)
+    assert found.tool == "search_documents" and {p.doc for p in ledger.passages} == {"bob_notes.txt"}
+    ledger = SourceLedger()
+    found = prefetch("Summarise the document alice_secret.txt", ledger, scope=BOBS)  # named but not in scope
+    assert found.tool == "read_document" and found.arguments == {"documents": ["bob_notes.txt"]}
+    assert "4471" not in " ".join(found.passages)
+    # an empty scope is an empty library: nothing prefetched, no tool offered, the index never opened
+    unopened = RetrieverHandle(lambda: pytest.fail("the index was opened for an empty scope"))
+    assert DocumentPrefetch(unopened)("What is the vault code?", SourceLedger(), scope=frozenset()) is None
+    assert not unopened.scoped(frozenset()).has_documents()
+
+
+def test_a_scoped_turn_offers_document_tools_only_over_what_it_may_see(tmp_path):
+    from tests.agent_fakes import FakeRetriever
+
+    read = '<tool_call>{"name": "read_document", "arguments": {"document": "%s"}}</tool_call>'
+    orch, engine = make_orchestrator(tmp_path, "Hello.", read % "alice_secret.txt", "No.", read % "nope.txt", "No.",
+                                     "The vault code is 4471 [1].", retriever=FakeRetriever(TWO_KEYS))
+    orch.options = AgentOptions(auto_retrieve=False)
+    list(orch.run_turn(None, "What is the vault code?", scope=frozenset()))  # an empty library
+    assert engine.tools_seen == [None]
+    outside = list(orch.run_turn(None, "Read alice_secret.txt", scope=BOBS))
+    unknown = list(orch.run_turn(None, "Read nope.txt", scope=BOBS))
+    failed = [next(e for e in events if isinstance(e, ToolCallFinished)) for events in (outside, unknown)]
+    assert [f.ok for f in failed] == [False, False]
+    assert engine.prompts[2][-1]["content"] == engine.prompts[4][-1]["content"].replace("nope.txt", "alice_secret.txt")
+    assert "4471" not in json.dumps(engine.prompts[1:5])
+    orch.options = AgentOptions()  # the local user (no scope): the whole library, prefetched
+    events = list(orch.run_turn(None, "What is the vault code in the document?"))
+    assert "The vault code is 4471." in json.dumps(engine.prompts[-1]) and events[-1].text.endswith("[1].")

@@ -96,6 +96,15 @@ def test_a_counting_question_reads_the_section_it_names():
     assert named_section("the 'New in this release' section") == "New in this release"
 
 
+def test_the_section_path_reads_only_inside_the_turns_scope():
+    retriever = FakeRetriever()
+    question = "How many codes does the Return Codes section list?"
+    assert prefetch(retriever)(question, SourceLedger(), scope=frozenset({"another-keys-doc"})) is None
+    ledger = SourceLedger()
+    found = prefetch(retriever)(question, ledger, scope=frozenset({"d1"}))
+    assert found.tool == "read_section" and [p.page for p in ledger.passages] == [7]
+
+
 def test_a_follow_up_is_searched_with_the_previous_question_and_whole_files_need_a_file_request():
     assert retrieval_query("And what does it return?", ["What does asn1_get_length_der do?"]) == \
         "What does asn1_get_length_der do? And what does it return?"

@@ -107,3 +107,13 @@ def test_cancel_stops_the_answer(make):
     cancel.set()
     rest = list(stream)
     assert rest[-1].finish_reason == "cancelled" and rest[-1].text == "a"
+
+
+def test_a_scoped_turn_takes_no_attached_files(make):
+    from assistant.seams import Attachment, UserInput
+
+    orch, engine = make("unused")
+    events = list(orch.run_turn(None, UserInput("About this file?", files=(Attachment("a.txt", b"x"),)),
+                                scope=frozenset()))
+    assert isinstance(events[0], Error) and "upload them as documents first" in events[0].message
+    assert events[-1].finish_reason == "error" and engine.prompts == [] and orch.store.list_conversations() == []

@@ -8,6 +8,16 @@ marker `[n]` it can cite and the orchestrator can verify. The retriever is any o
 `search(query, k, filters) -> [hit]` (hit: chunk_id, doc_id, path or doc, page, text),
 `read(doc, pages) -> [page]` (page: doc_id, path, page, text) and `documents() -> [record]`;
 `ingest.retriever.Retriever` is the real one, tests pass a small fake.
+
+Design note — a turn's document scope: a turn may be limited to some documents (the API key's own,
+the conversation's files: the server computes which, assistant/keys.py `DocumentAccess`). Every path
+that brings passages into a turn — the two tools, `search_passages`, `read_pages` and the prefetch,
+its section and whole-file paths included — goes through `RetrieverHandle.scoped(scope)`, a view in
+which only those documents exist: search adds a doc_id filter (and drops any hit outside it, should
+a backend ignore the filter), `read` of any other document fails exactly as an unknown one does, and
+`documents()` lists only the scope. An empty scope is an empty library: no document tool is offered
+and nothing is prefetched. The agent loop hands the scope to the tools in `ToolContext.extra[SCOPE]`;
+`None` (the local single user, the CLI, the terminal) is the whole library.
 """
 
 from __future__ import annotations
@@ -34,6 +44,17 @@ COUNTING = re.compile(r"\bhow many\b|\bnumber of (?:the )?\w+ (?:are|is|does|do)
 FOLLOW_UP = re.compile(r"^\s*(?:and|also|then|so)\b|\b(?:it|its|that|those|these|them|they|this|one|ones|there)\b", re.I)
 
 log = logging.getLogger(__name__)
+Scope = frozenset[str] | None  # doc ids a turn may search and read; None = the whole library
+SCOPE = "document_scope"  # the ToolContext.extra key under which the agent loop passes the turn's Scope
+
+
+def scope_of(ctx: ToolContext | None) -> Scope:
+    """The document scope of the turn a tool runs in (None: no restriction)."""
+    return ctx.extra.get(SCOPE) if ctx is not None else None
+
+
+class DocumentNotFound(LookupError):
+    """A document that is not there, or not in the turn's scope: the same error either way."""
 
 
 class RetrieverLike(Protocol):
@@ -51,7 +72,7 @@ class RetrieverHandle:
                  index_dir: Path | None = None) -> None:
         self._factory = factory
         self._index_dir = index_dir  # embedded index location: nothing there means no documents (no load)
-        self._checked: tuple[float, bool] | None = None  # (when, result) of the last has_documents()
+        self._checked: tuple[float, frozenset[str]] | None = None  # (when, doc ids) of the last document_ids()
         self._warned = False
         self._retriever: RetrieverLike | None = None
         self._lock = threading.Lock()
@@ -86,25 +107,105 @@ class RetrieverHandle:
             close()
 
     def refresh(self) -> None:
-        """Forget the cached has_documents() answer (call after ingesting in the same process)."""
+        """Forget the cached document_ids() answer (call after ingesting in the same process)."""
         self._checked = None
 
-    def has_documents(self) -> bool:
-        """Whether anything is ingested; asked for every turn, so the answer is kept DOCS_CHECK_TTL_S."""
+    def document_ids(self) -> frozenset[str]:
+        """The ids of every ingested document; asked for every turn, so the answer is kept DOCS_CHECK_TTL_S."""
         if self._retriever is None and self._index_dir is not None and not self._index_dir.exists():
-            return False
+            return frozenset()
         now = time.monotonic()
-        if self._checked is not None and now - self._checked[0] < DOCS_CHECK_TTL_S:
-            return self._checked[1]
+        checked = self._checked
+        if checked is not None and now - checked[0] < DOCS_CHECK_TTL_S:
+            return checked[1]
         try:
-            found = bool(self.get().documents())
+            found = frozenset(doc_id_of(d) for d in self.get().documents())
         except Exception as e:  # the index cannot open (locked by another process, broken): say why, go on
             if not self._warned:
                 log.warning("Document tools are off: the document index cannot be read (%s).", e)
                 self._warned = True
-            found = False
+            found = frozenset()
         self._checked = (now, found)
         return found
+
+    def has_documents(self) -> bool:
+        """Whether anything is ingested (see document_ids)."""
+        return bool(self.document_ids())
+
+    def scoped(self, scope: Scope) -> "RetrieverHandle | ScopedHandle":
+        """This handle as a turn limited to `scope` sees it (itself when the scope is None)."""
+        return self if scope is None else ScopedHandle(self, scope)
+
+
+class ScopedHandle:
+    """A RetrieverHandle seen through a turn's document scope (see the module's design note)."""
+
+    def __init__(self, handle: RetrieverHandle, doc_ids: frozenset[str]) -> None:
+        self.handle, self.doc_ids = handle, frozenset(doc_ids)
+
+    @property
+    def top_k(self) -> int:
+        return self.handle.top_k
+
+    def get(self) -> "ScopedRetriever":
+        return ScopedRetriever(self.handle.get(), self.doc_ids)
+
+    def document_ids(self) -> frozenset[str]:
+        return self.doc_ids & self.handle.document_ids() if self.doc_ids else frozenset()
+
+    def has_documents(self) -> bool:
+        return bool(self.document_ids())  # an empty scope never opens the index
+
+    def scoped(self, scope: Scope) -> "ScopedHandle":
+        return self if scope is None else ScopedHandle(self.handle, self.doc_ids & scope)
+
+    def refresh(self) -> None:
+        self.handle.refresh()
+
+
+class ScopedRetriever:
+    """A retriever in which only the documents `doc_ids` exist."""
+
+    def __init__(self, retriever: RetrieverLike, doc_ids: frozenset[str]) -> None:
+        self.retriever, self.doc_ids = retriever, doc_ids
+        if callable(getattr(retriever, "section", None)):
+            self.section = self._section  # offered only when the retriever can find sections
+
+    def search(self, query: str, k: int | None = None, filters: dict[str, Any] | None = None) -> list[Any]:
+        filters = dict(filters or {})
+        wanted = self.doc_ids
+        if "doc_id" in filters:  # a caller's own doc_id filter narrows the scope, never widens it
+            given = filters["doc_id"]
+            wanted = wanted & set(given if isinstance(given, (list, tuple, set, frozenset)) else [given])
+        if not wanted:
+            return []
+        filters["doc_id"] = sorted(wanted)  # the index's Where language: a list matches any of them
+        return [h for h in self.retriever.search(query, k, filters) if getattr(h, "doc_id", None) in wanted]
+
+    def documents(self) -> list[dict]:
+        return [d for d in self.retriever.documents() if doc_id_of(d) in self.doc_ids] if self.doc_ids else []
+
+    def read(self, doc: str, pages: list[int] | None = None) -> Sequence[Any]:
+        """Pages of `doc` (a doc id, a path or a file name, resolved among the scope's documents only)."""
+        return self.retriever.read(self._find(doc), pages)
+
+    def _section(self, hit: Any, max_chars: int = 8000) -> Sequence[Any]:
+        return self.retriever.section(hit, max_chars) if getattr(hit, "doc_id", None) in self.doc_ids else []
+
+    def _find(self, doc: str) -> str:
+        """The doc id `doc` names in the scope, as ingest.pipeline.find_document resolves names."""
+        docs = self.documents()
+        resolved = str(Path(doc).expanduser().resolve()) if doc else ""
+        for d in docs:
+            if doc in (doc_id_of(d), d.get("path")) or d.get("path") == resolved:
+                return doc_id_of(d)
+        named = [d for d in docs if doc_name(d) == doc]
+        if len(named) == 1:
+            return doc_id_of(named[0])
+        if named:
+            raise DocumentNotFound(f"{doc!r} names {len(named)} documents: give the doc id or the full path "
+                                   f"({', '.join(doc_id_of(d) for d in named)})")
+        raise DocumentNotFound(f"no document {doc!r} in this collection: see `assistant docs list`")
 
 
 def doc_name(item: Any) -> str:
@@ -114,6 +215,11 @@ def doc_name(item: Any) -> str:
         if value:
             return Path(str(value)).name
     return "document"
+
+
+def doc_id_of(record: dict) -> str:
+    """A library record's doc id (its path for a retriever whose records have none)."""
+    return str(record.get("doc_id") or record.get("path") or doc_name(record))
 
 
 def add_hit(ledger: SourceLedger, hit: Any) -> Passage:
@@ -185,8 +291,12 @@ class SearchDocumentsTool(Tool):
     def available(self) -> bool:
         return self.handle.has_documents()  # offered only once something is ingested
 
+    def available_for(self, scope: Scope) -> bool:
+        """Whether a turn limited to `scope` has anything to search."""
+        return self.handle.scoped(scope).has_documents()
+
     def forward(self, query: str, document: str | None, ctx: ToolContext) -> ToolResult:
-        passages = search_passages(self.handle, _ledger(ctx), query, document=document)
+        passages = search_passages(self.handle.scoped(scope_of(ctx)), _ledger(ctx), query, document=document)
         if not passages:
             return ToolResult("No passage matches. Try other words, or read_document for a whole file.",
                               summary="no matches")
@@ -215,8 +325,11 @@ class ReadDocumentTool(Tool):
     def available(self) -> bool:
         return self.handle.has_documents()
 
+    def available_for(self, scope: Scope) -> bool:
+        return self.handle.scoped(scope).has_documents()
+
     def forward(self, document: str, pages: list[int] | None, ctx: ToolContext) -> ToolResult:
-        found = read_pages(self.handle, document, pages)
+        found = read_pages(self.handle.scoped(scope_of(ctx)), document, pages)
         if not found:
             return ToolResult(f"{document} has no such pages.", ok=False, summary="no pages")
         passages, parts, rest = render_within(_ledger(ctx), found, MAX_READ_CHARS)
@@ -283,18 +396,20 @@ class DocumentPrefetch:
     def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000) -> None:
         self.handle, self.k, self.max_read_chars = handle, k, max_read_chars
 
-    def __call__(self, question: str, ledger: SourceLedger, history: Sequence[str] = ()) -> Prefetched | None:
-        if not self.handle.has_documents():
+    def __call__(self, question: str, ledger: SourceLedger, history: Sequence[str] = (), *,
+                 scope: Scope = None) -> Prefetched | None:
+        handle = self.handle.scoped(scope)  # every path below sees only the turn's documents
+        if not handle.has_documents():
             return None
-        documents = [doc_name(d) for d in self.handle.get().documents()]
+        retriever = handle.get()
+        documents = [doc_name(d) for d in retriever.documents()]
         named = [d for d in documents if d.lower() in question.lower()]
         if SUMMARY.search(question) and (named or DOCUMENT_WORDS.search(question)):
             named = named or documents[:2]
-            found = [page for d in named for page in read_pages(self.handle, d)]
+            found = [page for d in named for page in read_pages(handle, d)]
             _, rendered, _ = render_within(ledger, found, self.max_read_chars)
             return Prefetched("read_document", {"documents": named}, rendered, f"read {len(rendered)} pages")
         query = retrieval_query(question, history)
-        retriever = self.handle.get()
         if COUNTING.search(question) and callable(getattr(retriever, "section", None)):
             named = named_section(question)
             hits = retriever.search(named, 2 * self.k + 2, None) if named else []  # the section by its name first
