@@ -103,6 +103,24 @@ def _without_large(path: Path) -> Path:
     return view
 
 
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    """A real, throwaway PostgreSQL server (tests/services.py), one per test module."""
+    from tests.services import postgres_server
+
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """A real, throwaway redis-server on a free loopback port (tests/services.py), one per test module."""
+    from tests.services import redis_server
+
+    with redis_server() as url:
+        yield url
+
+
 def media_model(name: str) -> Path:
     """The prepared directory of a packaged speech/vision model ("tiny.en", "base", "joe", "lite0"),
     prepared on first use into the shared models dir; skip on a laptop without its package, fail in CI."""

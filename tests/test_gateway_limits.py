@@ -1,19 +1,17 @@
 """Rate limits and quotas (assistant/server/limits.py, redis_limits.py): one set of behaviours, checked
 on the in-process limiter with a fake clock and on the Redis limiter against a real `redis-server`
-that the test starts (skipped on a laptop without it, a failure under ASSISTANT_REQUIRE_REAL=1)."""
+that the test starts (the `redis_url` fixture, tests/services.py; skipped on a laptop without it, a
+failure under ASSISTANT_REQUIRE_REAL=1)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
-import time
 
 import pytest
 
 from assistant.config import TierConfig
 from assistant.server.limits import MemoryLimiter, _duration, seconds_to_utc_midnight
-from tests.conftest import free_port, need
+from tests.conftest import free_port
 
 
 class Clock:
@@ -22,34 +20,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    """A real, throwaway redis-server on a free loopback port."""
-    binary = shutil.which("redis-server")
-    need(binary is not None, "redis-server", "apt-get install redis-server (make does it as root)")
-    port = free_port()
-    folder = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
-            time.sleep(0.05)
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(params=["memory", "redis"])
