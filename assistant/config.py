@@ -69,6 +69,9 @@ class EngineConfig:
     max_prefill_chunk: int = 64  # upper bound on prefill tokens per step while others stream (tuned below it)
     max_waiting: int = 64  # queued requests before new ones are refused as busy
     prefix_cache: bool = True  # reuse KV of shared prompt prefixes (system prompt, earlier turns, documents)
+    # greedy requests draft tokens from their own prompt and output and verify them in one step where that pays
+    # (engine/speculate.py); "off" = one token per step
+    speculation: str = "prompt_lookup"
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,8 @@ class AssistantConfig:
                 raise ConfigError(f"engine.{name}={getattr(e, name)} must be at least 1.")
         if e.max_context_tokens < 0:
             raise ConfigError(f"engine.max_context_tokens={e.max_context_tokens} must be >= 0 (0 = model's window).")
+        if e.speculation not in ("prompt_lookup", "off"):
+            raise ConfigError(f"engine.speculation={e.speculation!r} is not valid: use prompt_lookup or off.")
         if not 0 < s.port < 65536:
             raise ConfigError(f"server.port={s.port} is out of range: pick a port between 1 and 65535, e.g. 7860.")
         if s.default_tier not in s.tiers:

@@ -159,6 +159,16 @@ class BlockManager:
                     self.free.move_to_end(block, last=False)  # nothing worth keeping: reuse first
         block_table.clear()
 
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` positions (rejected speculative tokens).
+        Only blocks never registered can be past a sequence's computed length, so none is shared."""
+        keep = self.blocks_needed(num_tokens)
+        if len(block_table) > keep:
+            tail = block_table[keep:]
+            assert all(self.key_of[b] is None and self.ref_count[b] == 1 for b in tail), "truncating a cached block"
+            del block_table[keep:]
+            self.free_blocks(tail)
+
     def _ref(self, block: int) -> None:
         if self.ref_count[block] == 0:
             del self.free[block]

@@ -6,6 +6,9 @@ thread owns the model, the scheduler and the KV cache and runs steps in a loop:
     schedule (scheduler.py) -> one ragged forward over every scheduled token (model.py)
       -> sample per request -> detokenise + stop strings -> deltas to each request's queue
 
+Greedy requests speculate (engine.speculation = "prompt_lookup", speculate.py): a step may verify
+drafts copied from their own text, and then yields several tokens at once, in one delta.
+
 Cancelling (the caller's event, or closing the iterator when a client goes away) is noticed at the
 start of the next step, and the request's KV blocks are released in that same step.
 
@@ -55,6 +58,7 @@ from assistant.engine.loading import ChatTemplateEncoding, LoadedModel, eos_toke
 from assistant.engine.model import SeqBatch, Transformer
 from assistant.engine.sampling import sample
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from assistant.engine.speculate import Speculator
 from assistant.errors import EngineBusy, EngineError
 
 log = logging.getLogger(__name__)
@@ -106,8 +110,10 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         self.kv = KVCache(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim,
                           kv_dtype, loaded.device)
         self.blocks = BlockManager(num_blocks, config.block_size, enable_prefix_cache=config.prefix_cache)
+        self.speculator = Speculator() if config.speculation == "prompt_lookup" else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_batched_tokens,
-                                                   config.max_prefill_chunk, config.max_waiting), self.blocks)
+                                                   config.max_prefill_chunk, config.max_waiting), self.blocks,
+                                   self.speculator)
         self.scheduler.prefill_chunk = min(INITIAL_PREFILL_CHUNK, config.max_prefill_chunk)  # until measured
         self.context_window = min(loaded.context_window, num_blocks * config.block_size)
         self._decode_step_s = 0.0  # EMA of a step without prefill tokens
@@ -124,10 +130,16 @@ class LocalEngine(ChatTemplateEncoding, Engine):
 
     def stats(self) -> dict[str, Any]:
         s = self.blocks.stats
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "free_kv_blocks": self.blocks.num_free_blocks, "num_kv_blocks": self.blocks.num_blocks,
-                "prefix_cache_queries": s.num_queries, "prefix_cache_hits": s.num_hits,
-                "prefix_cache_hit_rate": round(s.hit_rate, 4), "prefix_cache_evictions": s.num_evictions}
+        out = {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+               "free_kv_blocks": self.blocks.num_free_blocks, "num_kv_blocks": self.blocks.num_blocks,
+               "prefix_cache_queries": s.num_queries, "prefix_cache_hits": s.num_hits,
+               "prefix_cache_hit_rate": round(s.hit_rate, 4), "prefix_cache_evictions": s.num_evictions}
+        if self.speculator is not None:
+            p = self.speculator.stats
+            out.update({"spec_verify_steps": p.num_verify_steps, "spec_drafted": p.num_drafted,
+                        "spec_accepted": p.num_accepted, "spec_acceptance_rate": round(p.acceptance_rate, 4),
+                        "spec_tokens_per_step": round(p.mean_tokens_per_step, 3)})
+        return out
 
     # -- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, *, tools: Sequence[dict] | None = None,
@@ -240,6 +252,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         if batch is None:
             return
         scheduled, tokens, positions, seqs = batch
+        prefill = any(r.num_computed_tokens < len(r.prompt_ids) for r, _ in scheduled)
         try:  # shared by every request in the step: a failure here is ours (or the hardware's)
             start = time.perf_counter()
             logits = self._forward(scheduled, tokens, positions, seqs)
@@ -250,6 +263,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                 self._fail(r, self._error("Generation failed", e))
             return
         self._process(scheduled, logits)
+        if self.speculator is not None and not prefill:  # what a step of so many rows costs, with its streaming
+            self.speculator.observe_step(len(tokens), time.perf_counter() - start)
 
     @staticmethod
     def _error(what: str, cause: Exception) -> EngineError:
@@ -261,12 +276,14 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         """Keep steps that carry prefill within ITL_TARGET x a decode step (measured, not guessed:
         the ratio of prefill to decode cost depends on the machine, threads, quantization and load)."""
         num_prefill = sum(n for r, n in scheduled if r.num_computed_tokens < len(r.prompt_ids))
+        num_drafts = sum(len(r.draft_ids) for r, _ in scheduled)  # speculative rows (speculate.py)
         if num_prefill == 0:
-            self._decode_step_s = seconds if not self._decode_step_s else (1 - EMA) * self._decode_step_s + EMA * seconds
+            if num_drafts == 0:  # a verify step is no plain decode step: the speculator measures those
+                self._decode_step_s = seconds if not self._decode_step_s else (1 - EMA) * self._decode_step_s + EMA * seconds
             return
         if not self._decode_step_s or len(scheduled) == 1:
             return  # nothing decoding alongside: no stream to protect
-        per_token = max(seconds - self._decode_step_s, 0.0) / num_prefill
+        per_token = max(seconds - self._decode_step_s, 0.0) / (num_prefill + num_drafts)  # a draft row ~ a prompt row
         self._prefill_token_s = per_token if not self._prefill_token_s else (1 - EMA) * self._prefill_token_s + EMA * per_token
         if self._prefill_token_s > 0:
             chunk = int((ITL_TARGET - 1) * self._decode_step_s / self._prefill_token_s)
@@ -296,10 +313,11 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         for r, n in scheduled:
             try:
                 start = r.num_computed_tokens
-                new = r.all_ids[start:start + n]
+                new = (r.all_ids + r.draft_ids)[start:start + n]
                 if len(new) != n or not all(isinstance(t, int) and 0 <= t < vocab for t in new):
                     raise ValueError(f"invalid token ids for positions {start}..{start + n - 1}")
-                seq = SeqBatch(len(tokens), n, start + n, self.kv.slots(r.block_table, start + n), len(r.prompt_ids))
+                seq = SeqBatch(len(tokens), n, start + n, self.kv.slots(r.block_table, start + n), len(r.prompt_ids),
+                               num_logits=1 + len(r.draft_ids))
             except Exception as e:
                 log.exception("request %s failed while building its step inputs", r.request_id)
                 self._fail(r, self._error("This request failed", e))
@@ -319,47 +337,60 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                                       greedy=[r.params.temperature == 0 for r, _ in scheduled])
 
     def _process(self, scheduled: list[tuple[Request, int]], logits: Any) -> None:
-        """Sample, detokenise and stream per request, each under its own guard (see `_loop`)."""
+        """Sample (or verify drafts), detokenise and stream per request, each under its own guard (see
+        `_loop`). logits has 1 + len(draft_ids) rows per request, in batch order."""
+        greedy = logits.argmax(-1).tolist()  # batched: a failure fails the step
         ready = []
         with self._cond:
-            for i, (r, n) in enumerate(scheduled):
+            row = 0
+            for r, n in scheduled:
+                first, row = row, row + 1 + len(r.draft_ids)
                 try:
-                    if self.scheduler.after_step(r, n):
-                        ready.append((i, r))
+                    if r.draft_ids:  # speculate.py: the accepted drafts and the model's own next token
+                        tokens = self.speculator.verify(r, greedy[first:row])
+                        if self.scheduler.after_step(r, n, num_accepted=len(tokens) - 1):
+                            ready.append((first, r, tokens))
+                    elif self.scheduler.after_step(r, n):
+                        ready.append((first, r, None))
                 except Exception as e:
                     log.exception("request %s failed after its step", r.request_id)
                     self._fail(r, self._error("This request failed", e))
-        if not ready:
-            return
-        greedy = logits[[i for i, _ in ready]].argmax(-1).tolist()  # batched: a failure fails the step
-        for (i, r), greedy_token in zip(ready, greedy):
+        for i, r, tokens in ready:
             try:
-                if r.params.temperature == 0:
-                    token = greedy_token
-                else:
-                    token = int(sample(logits[i:i + 1], r.params, r.state.generator).item())
-                self._append(r, token)
+                if tokens is None:
+                    if r.params.temperature == 0:
+                        tokens = [greedy[i]]
+                    else:
+                        tokens = [int(sample(logits[i:i + 1], r.params, r.state.generator).item())]
+                self._append(r, tokens)
             except Exception as e:  # this request's sampling / detokenising / stop strings
                 log.exception("request %s failed while producing its token", r.request_id)
                 self._fail(r, self._error("This request failed", e))
 
-    def _append(self, r: Request, token: int) -> None:
-        r.output_ids.append(token)
+    def _append(self, r: Request, tokens: list[int]) -> None:
+        """Append tokens one by one as plain decoding would, stopping at EOS, a stop string, max_tokens
+        or the context window (later accepted drafts are dropped); one delta for all of them."""
         s = r.state
         status = None
         text = ""
-        if token in self.eos_ids and not r.params.ignore_eos:
-            status, text = RequestStatus.FINISHED_STOPPED, s.stops.flush()
-        else:
-            text = s.stops.push(s.detok.push(token))
-            if s.stops.stopped:
-                status = RequestStatus.FINISHED_STOPPED
-            elif len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= r.max_len:
-                status, text = RequestStatus.FINISHED_LENGTH, text + s.stops.flush()
+        appended = []
+        for token in tokens:
+            r.output_ids.append(token)
+            appended.append(token)
+            if token in self.eos_ids and not r.params.ignore_eos:
+                status, text = RequestStatus.FINISHED_STOPPED, text + s.stops.flush()
+            else:
+                text += s.stops.push(s.detok.push(token))
+                if s.stops.stopped:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif len(r.output_ids) >= r.params.max_tokens or r.num_tokens >= r.max_len:
+                    status, text = RequestStatus.FINISHED_LENGTH, text + s.stops.flush()
+            if status is not None:
+                break
         if status is not None:
             with self._cond:
                 self.scheduler.finish(r, status)
-        s.out.put(self._delta(r, text, (token,), _FINISH.get(status) if status else None))
+        s.out.put(self._delta(r, text, tuple(appended), _FINISH.get(status) if status else None))
 
     @staticmethod
     def _delta(r: Request, text: str, token_ids: tuple[int, ...], finish: str | None) -> TokenDelta:

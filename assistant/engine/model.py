@@ -100,6 +100,7 @@ class SeqBatch:
     context_len: int  # tokens in its KV after this step (cached + new)
     kv_slots: torch.Tensor  # (context_len,) cache slot of every context position, oldest first
     prompt_len: int = 0  # positions below this are prompt tokens (prefill kernel for int8)
+    num_logits: int = 1  # logits rows wanted: at its last `num_logits` new tokens (1 + drafts when verifying)
 
 
 class Transformer:
@@ -152,19 +153,22 @@ class Transformer:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
                 kv: Any, greedy: Sequence[bool] | None = None) -> torch.Tensor:
-        """tokens, positions (T,) -> logits (B, V) at the last new token of each sequence.
+        """tokens, positions (T,) -> logits (L, V) at the last `num_logits` new tokens of each sequence,
+        in batch order (L = B when every sequence wants one row, as outside speculation).
 
-        `greedy[b]`: sequence b only needs its argmax, so its row may come from the screened head
+        `greedy[b]`: sequence b only needs its argmax, so its rows may come from the screened head
         (`Linear.greedy_logits`: the same argmax, -inf for tokens that cannot win).
         """
         x = self.last_hidden(tokens, positions, seqs, kv)
         if greedy is not None:
-            return self.lm_head.greedy_logits(x, torch.tensor(list(greedy), dtype=torch.bool)).float()
-        return self.lm_head(x).float()  # (B, V)
+            mask = [g for g, s in zip(greedy, seqs) for _ in range(s.num_logits)]
+            return self.lm_head.greedy_logits(x, torch.tensor(mask, dtype=torch.bool)).float()
+        return self.lm_head(x).float()  # (L, V)
 
     def last_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
                     kv: Any) -> torch.Tensor:
-        """The normalized hidden state (B, D) at the last new token of each sequence (the lm_head's input).
+        """The normalized hidden state (L, D) at the last `num_logits` new tokens of each sequence (the
+        lm_head's input).
 
         Writes this step's keys/values into `kv` (slots = the last `num_new` of each seq's kv_slots).
         A sequence with at most ATTEND_MAX_QUERIES new tokens attends through the native `attend` whether
@@ -209,7 +213,7 @@ class Transformer:
             if ops is not None and native_attention:
                 out = ops.attend(q, kv.k[i], kv.v[i], *attend_args)
             elif len(seqs) == 1 and ops is None:
-                out = attention(q, *kv.read(i, seqs[0].kv_slots))
+                out = attention(q, *kv.read(i, seqs[0].kv_slots), rowwise=seqs[0].num_logits > 1)
             else:
                 out = torch.empty_like(q)
                 for j, s in enumerate(seqs):
@@ -217,7 +221,7 @@ class Transformer:
                     if ops is not None and seq_attend[j] is not None:
                         out[span] = ops.attend(q[span], kv.k[i], kv.v[i], *seq_attend[j])
                     else:
-                        out[span] = attention(q[span], *kv.read(i, s.kv_slots))  # (ctx, KVH, hd) each
+                        out[span] = attention(q[span], *kv.read(i, s.kv_slots), rowwise=s.num_logits > 1)  # (ctx, KVH, hd) each
             h = h + layer["o"](out.reshape(-1, q_size), rows)
             gate_up = layer["gate_up"](norm(h, layer["mlp_norm"]), rows)
             if ops is not None:
@@ -226,18 +230,23 @@ class Transformer:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
             h = h + layer["down"](act, rows)
-        last = torch.tensor([s.start + s.num_new - 1 for s in seqs], device=h.device)
+        last = torch.tensor([i for s in seqs for i in range(s.start + s.num_new - s.num_logits, s.start + s.num_new)],
+                            device=h.device)
         return norm(h[last], self.norm)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rowwise: bool = False) -> torch.Tensor:
     """q (n, H, hd) are the last n positions of a context whose k, v are (ctx, KVH, hd) -> (n, H, hd).
     q arrives already multiplied by the softmax scale (hd ** -0.5).
 
     Decode (n == 1) uses grouped matmuls directly: on CPU, SDPA with GQA falls back to its math path
-    and copies K/V per query group (measured 5x slower for one query token).
+    and copies K/V per query group (measured 5x slower for one query token). `rowwise` (speculative
+    verification: a few generated tokens whose argmax must be plain decoding's) runs each query as
+    its own decode step, so its numbers are those decoding it alone would give.
     """
     n, ctx, heads, kv_heads = q.size(0), k.size(0), q.size(1), k.size(1)
+    if rowwise and n > 1:
+        return torch.cat([attention(q[j:j + 1], k[:ctx - n + j + 1], v[:ctx - n + j + 1]) for j in range(n)])
     if n == 1:
         qg = q.reshape(kv_heads, heads // kv_heads, q.size(-1))  # (KVH, G, hd)
         scores = torch.matmul(qg, k.permute(1, 2, 0))  # (KVH, G, ctx)

@@ -17,6 +17,9 @@ NOTE — the model of scheduling (after vLLM v1):
     later (cheaply when its blocks are still in the prefix cache). Never an out-of-memory crash.
   * A request that could not fit even in an empty cache is refused with a clear error, and the
     waiting queue is bounded (the engine refuses new work when it is full).
+  * With a `Speculator` (speculate.py has its own NOTE), greedy decoding requests may then carry
+    draft tokens in what is left of the budget and of the free KV blocks: such a request's step
+    computes 1 + k tokens, and `after_step` keeps only the accepted ones (rolling back the rest).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     cancel: threading.Event = field(default_factory=threading.Event)
     state: Any = None  # engine-side per-request state (detokenizer, output queue, ...)
+    draft_ids: list[int] = field(default_factory=list)  # speculative tokens verified in this step (after all_ids)
+    spec: Any = None  # speculation state (speculate.SpecState), made on first use
 
     @property
     def all_ids(self) -> list[int]:
@@ -91,8 +96,8 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
-        self.config, self.blocks = config, blocks
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, speculator: Any = None) -> None:
+        self.config, self.blocks, self.speculator = config, blocks, speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefill_chunk = config.max_prefill_chunk  # current cap while others decode (engine-tuned)
@@ -157,7 +162,34 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
             prefill_cap = min(prefill_cap, self.prefill_chunk)  # later admissions are chunked too
+        if self.speculator is not None and scheduled:
+            budget -= self._add_drafts(scheduled, budget)
         return SchedulerOutput(scheduled, cfg.max_batched_tokens - budget, preempted, refused)
+
+    def _add_drafts(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+        """Let greedy decoding requests verify drafts in the budget and free KV blocks left over
+        (speculate.py's NOTE says how many); returns the draft tokens added."""
+        candidates, where = [], {}
+        for i, (r, n) in enumerate(scheduled):
+            r.draft_ids = []
+            if n == 1 and r.num_computed_tokens + 1 == r.num_tokens and r.output_ids and r.params.temperature == 0:
+                limit = min(r.params.max_tokens - len(r.output_ids) - 1, r.max_len - r.num_tokens)
+                if limit > 0:
+                    candidates.append((r, limit))
+                    where[r.request_id] = i
+        if not candidates or budget <= 0:
+            return 0
+        num_sampling = sum(1 for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens)
+        num_rows = sum(n for _, n in scheduled)
+        added = 0
+        for r, drafts in self.speculator.plan(candidates, num_rows, num_sampling, budget):
+            room = (len(r.block_table) + self.blocks.num_free_blocks) * self.blocks.block_size - r.num_tokens
+            drafts = drafts[:max(0, room)]  # free blocks only: nobody is preempted for a guess
+            if drafts and self.blocks.allocate(r.block_table, r.num_tokens + len(drafts)):
+                r.draft_ids = drafts
+                scheduled[where[r.request_id]] = (r, 1 + len(drafts))
+                added += len(drafts)
+        return added
 
     def _num_new(self, request: Request, budget: int, prefill_cap: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
@@ -182,9 +214,19 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free_blocks(request.block_table)
 
-    def after_step(self, request: Request, num_new: int) -> bool:
-        """Account for a computed step; True when the request should sample its next token now."""
+    def after_step(self, request: Request, num_new: int, num_accepted: int = 0) -> bool:
+        """Account for a computed step; True when the request should sample its next token now.
+
+        A verify step (request.draft_ids) keeps the KV of its last token and of the first
+        `num_accepted` drafts, which the caller then appends; the rejected drafts' blocks are freed
+        at once and never registered in the prefix cache."""
+        token_ids = request.all_ids
+        if request.draft_ids:
+            token_ids += request.draft_ids[:num_accepted]
+            num_new = 1 + num_accepted
+            request.draft_ids = []
+            self.blocks.truncate(request.block_table, request.num_computed_tokens + num_new + 1)
         request.num_computed_tokens += num_new
         request.num_registered_blocks = self.blocks.register_full_blocks(
-            request.block_table, request.all_ids, request.num_computed_tokens, request.num_registered_blocks)
-        return request.num_computed_tokens == request.num_tokens
+            request.block_table, token_ids, request.num_computed_tokens, request.num_registered_blocks)
+        return request.num_computed_tokens == len(token_ids)

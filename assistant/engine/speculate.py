@@ -1,0 +1,248 @@
+"""Prompt-lookup speculation: greedy sequences guess their next tokens from their own text.
+
+NOTE — how it works and how it decides (engine.speculation = "prompt_lookup", the default):
+
+  Drafting. An answer that quotes its prompt (retrieved passages, code it was shown, the question it
+  repeats) or repeats itself continues text that already exists. `NgramIndex` keeps, per sequence,
+  the most recent earlier occurrence of every 1-, 2- and 3-gram of prompt + output; a sequence whose
+  last n tokens (longest n first) occurred before drafts the tokens that followed them. No second
+  model, microseconds of Python per step.
+
+  Verification. A drafting sequence's step carries 1 + k rows (its last token and the k drafts)
+  through the same ragged forward as every other sequence of the step, like a short prefill chunk
+  with logits at every row. Draft i is accepted while it equals the model's argmax after draft
+  i - 1; the step then yields the accepted drafts plus the model's own next token (1 to k + 1
+  tokens), which is exactly what plain greedy decoding would have produced one step at a time. The
+  rejected drafts' KV is rolled back: the sequence's computed length only counts committed tokens,
+  blocks past its new length are freed at once, and only full blocks of committed tokens are ever
+  registered in the prefix cache (a rejected token's slot is rewritten before its block can fill).
+  Sampled rows (temperature > 0) never speculate.
+
+  Whether to speculate, and how far. A draft costs a row in the step, and a step's time grows with its
+  rows (a lot on CPUs where a multi-row step costs far more than a one-row step: bench/speculation.py
+  measures it). So each step the engine buys drafts only where they are expected to pay:
+  * acceptance: per sequence and per match length n, decayed counts of accepted drafts and of first
+    rejections give alpha_n, the chance that a draft is right given the one before it was. Proposals
+    that were not verified (the sequence did not speculate that step) are still scored against the
+    tokens plain decoding produced ("shadow" scoring, free), so a sequence whose speculation is off
+    keeps measuring what it would gain and turns it back on when its text starts to repeat;
+  * cost: `StepCost` measures the step time for each row count R (steps without prefill; an EMA per R,
+    forgotten after STALE_STEPS steps). An unmeasured R is interpolated between measured neighbours,
+    or scaled from the nearest one by an optimistic prior (PRIOR_ROW_COST), so it gets tried and
+    measured once; the estimate then replaces the guess;
+  * choice: the step already holds R rows that will produce G tokens (one per sequence that samples).
+    Draft i of sequence s is worth alpha_s^i expected tokens. All candidate drafts are sorted by that
+    worth and the engine keeps the prefix of j drafts that maximises (G + their worth) / t(R + j), the
+    step's expected tokens per second; j = 0 (plain decoding) whenever no prefix beats it.
+  * per sequence, k is also capped: + 2 after a fully accepted run, - 1 after a rejection, within
+    [1, K_MAX] (K_MAX keeps a verifying sequence within the 16 GEMM rows of the fused int8 linear).
+  Under load this lowers k and then turns speculation off by itself: with G sequences in the step a
+  draft adds alpha^i / G to the step's tokens but its row's full share to the step's time, so only
+  near-certain drafts pay in a big batch. The scheduler gives drafts only the token budget and free KV
+  blocks left after every running sequence's token, prefill chunks and admissions (never preempting
+  anyone for a guess), and drafts stop at max_tokens and the context window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+K_MAX = 7  # drafts per sequence per step: 1 + 7 rows (and their residual rows) fit the fused linear's 16
+K_INIT = 3  # cap on a sequence's first drafts
+N_MAX, N_MIN = 3, 1  # n-gram lengths matched, longest first
+PRIOR = (1.0, 1.0)  # (accepted, rejected) pseudo-counts per match length: alpha = 0.5 before any evidence
+DECAY = 0.8  # weight of the older evidence at each new outcome (recent text predicts best)
+STEP_EMA = 0.2  # weight of the newest step time in a row count's average
+STALE_STEPS = 256  # a row count's measurement older than this many steps is re-explored
+PRIOR_ROW_COST = 0.15  # unmeasured: each extra row adds this share of a 1-row step (optimistic, to explore)
+
+
+class NgramIndex:
+    """The most recent earlier occurrence of each n-gram (n = N_MIN..N_MAX) of one growing sequence."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.last_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(N_MAX + 1)]  # n -> gram -> end
+        self.num_indexed = 0  # n-grams ending at positions <= this are in the index
+
+    def extend(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Catch up with the sequence (it only ever grows)."""
+        n = len(self.ids)
+        if n < len(prompt_ids):
+            self.ids.extend(prompt_ids[n:])
+            n = len(self.ids)
+        self.ids.extend(output_ids[n - len(prompt_ids):])
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        """Up to k drafts continuing the longest earlier match of the sequence's tail, and that match's
+        length n (0: no match). Copying past the end of the text continues from the drafts themselves
+        (a repeating pattern goes on repeating)."""
+        ids, length = self.ids, len(self.ids)
+        for end in range(self.num_indexed + 1, length):  # grams ending before the tail's own end
+            for n in range(N_MIN, min(N_MAX, end) + 1):
+                self.last_end[n][tuple(ids[end - n:end])] = end
+        self.num_indexed = max(self.num_indexed, length - 1)
+        for n in range(min(N_MAX, length), N_MIN - 1, -1):
+            end = self.last_end[n].get(tuple(ids[length - n:]))
+            if end is not None:
+                drafts: list[int] = []
+                for j in range(k):
+                    src = end + j
+                    drafts.append(ids[src] if src < length else drafts[src - length])
+                return drafts, n
+        return [], 0
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculation state (Request.spec)."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    k_cap: int = K_INIT
+    accepted: list[float] = field(default_factory=lambda: [PRIOR[0]] * (N_MAX + 1))  # decayed, per match length
+    rejected: list[float] = field(default_factory=lambda: [PRIOR[1]] * (N_MAX + 1))
+    order: int = 0  # match length of the drafts in flight
+    shadow: tuple[int, list[int], int] | None = None  # (position, drafts, n) proposed but not verified
+
+    def alpha(self, n: int) -> float:
+        return self.accepted[n] / (self.accepted[n] + self.rejected[n])
+
+    def record(self, n: int, num_accepted: int, num_drafted: int) -> None:
+        self.accepted[n] = DECAY * self.accepted[n] + num_accepted
+        self.rejected[n] = DECAY * self.rejected[n] + (num_accepted < num_drafted)
+
+
+@dataclass
+class SpeculationStats:
+    num_verify_steps: int = 0  # sequence-steps that carried drafts
+    num_drafted: int = 0  # draft tokens verified
+    num_accepted: int = 0  # of those, accepted
+    num_emitted: int = 0  # tokens those steps produced (accepted + the model's own next token)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return self.num_emitted / self.num_verify_steps if self.num_verify_steps else 0.0
+
+
+class StepCost:
+    """Measured seconds of a step without prefill, by its number of rows (module NOTE)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self.updated: dict[int, int] = {}
+        self.num_steps = 0
+
+    def observe(self, num_rows: int, seconds: float) -> None:
+        self.num_steps += 1
+        old = self.seconds.get(num_rows) if self._fresh(num_rows) else None
+        self.seconds[num_rows] = seconds if old is None else (1 - STEP_EMA) * old + STEP_EMA * seconds
+        self.updated[num_rows] = self.num_steps
+
+    def estimate(self, num_rows: int) -> float:
+        """Seconds (or, with nothing measured yet, 1-row-step units) for a step of num_rows rows."""
+        fresh = sorted(r for r in self.seconds if self._fresh(r))
+        if num_rows in fresh:
+            return self.seconds[num_rows]
+        below = [r for r in fresh if r < num_rows]
+        above = [r for r in fresh if r > num_rows]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            w = (num_rows - lo) / (hi - lo)
+            return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
+        if not fresh:
+            return prior_cost(num_rows)
+        near = below[-1] if below else above[0]
+        return self.seconds[near] * prior_cost(num_rows) / prior_cost(near)
+
+    def _fresh(self, num_rows: int) -> bool:
+        return self.num_steps - self.updated.get(num_rows, -STALE_STEPS - 1) <= STALE_STEPS
+
+
+def prior_cost(num_rows: int) -> float:
+    return 1.0 + PRIOR_ROW_COST * (num_rows - 1)
+
+
+class Speculator:
+    """Prompt lookup for the scheduler (`plan`) and the engine (`verify`, `observe_step`)."""
+
+    def __init__(self, k_max: int = K_MAX) -> None:
+        self.k_max = k_max
+        self.cost = StepCost()
+        self.stats = SpeculationStats()
+
+    def plan(self, candidates: Sequence[tuple[Any, int]], num_rows: int, num_sampling: int,
+             budget: int) -> list[tuple[Any, list[int]]]:
+        """Drafts for this step. candidates: (request, most drafts its limits allow), greedy requests
+        decoding one token this step; num_rows / num_sampling: rows already scheduled and how many
+        tokens they will produce; budget: rows left. -> (request, drafts) for those that speculate."""
+        offers: list[tuple[float, int, int]] = []  # (worth, candidate, i-th draft)
+        proposals: list[tuple[Any, list[int], int]] = []
+        for c, (request, limit) in enumerate(candidates):
+            state = request.spec = request.spec or SpecState()
+            state.index.extend(request.prompt_ids, request.output_ids)
+            self._score_shadow(state)
+            drafts, n = state.index.propose(min(limit, state.k_cap, self.k_max))
+            proposals.append((request, drafts, n))
+            worth = 1.0
+            for i in range(len(drafts)):
+                worth *= state.alpha(n)
+                offers.append((worth, c, i))
+        offers.sort(key=lambda o: -o[0])
+        offers = offers[:max(0, budget)]
+        best, best_rate, gained = 0, num_sampling / self.cost.estimate(num_rows), float(num_sampling)
+        for j, (worth, _, _) in enumerate(offers, start=1):
+            gained += worth
+            rate = gained / self.cost.estimate(num_rows + j)
+            if rate > best_rate:
+                best, best_rate = j, rate
+        counts = [0] * len(candidates)
+        for _, c, _ in offers[:best]:
+            counts[c] += 1  # a sequence's drafts are worth less and less: its best ones form a prefix
+        out = []
+        for (request, drafts, n), k in zip(proposals, counts):
+            state = request.spec
+            if k:
+                state.order = n
+                out.append((request, drafts[:k]))
+            elif drafts and state.shadow is None:
+                state.shadow = (len(state.index.ids), drafts, n)
+        return out
+
+    def verify(self, request: Any, argmax: Sequence[int]) -> list[int]:
+        """The tokens a verify step yields: the drafts (request.draft_ids) that equal the model's argmax
+        at the row before them, then the model's own next token. argmax: (1 + k,) over its rows."""
+        drafts, state = request.draft_ids, request.spec
+        m = 0
+        while m < len(drafts) and drafts[m] == argmax[m]:
+            m += 1
+        state.record(state.order, m, len(drafts))
+        state.k_cap = min(self.k_max, state.k_cap + 2) if m == len(drafts) else max(1, state.k_cap - 1)
+        s = self.stats
+        s.num_verify_steps += 1
+        s.num_drafted += len(drafts)
+        s.num_accepted += m
+        s.num_emitted += m + 1
+        return [*drafts[:m], int(argmax[m])]
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """The time of a step without prefill tokens (feeds the cost model)."""
+        self.cost.observe(num_rows, seconds)
+
+    @staticmethod
+    def _score_shadow(state: SpecState) -> None:
+        """Score an unverified proposal against the tokens decoding produced since (module NOTE)."""
+        if state.shadow is None:
+            return
+        position, drafts, n = state.shadow
+        actual = state.index.ids[position:position + len(drafts)]
+        m = 0
+        while m < len(actual) and actual[m] == drafts[m]:
+            m += 1
+        if m < len(actual) or len(actual) == len(drafts):  # a mismatch seen, or every draft confirmed
+            state.record(n, m, len(drafts))
+            state.shadow = None
