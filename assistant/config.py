@@ -113,6 +113,7 @@ class ServerConfig:
     max_upload_bytes: int = 64 * 1024 * 1024  # the same for uploads: recordings, pictures, files (web chat, /api/turns)
     max_running: int = 16  # generations the gateway lets run at once (keep >= engine.max_num_seqs)
     max_queued: int = 64  # requests waiting for a running slot; beyond that: 503 + Retry-After at once
+    shared_library: bool = False  # keys also see and search, read-only, the documents no key owns (the CLI's)
 
 
 @dataclass(frozen=True)

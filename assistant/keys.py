@@ -8,9 +8,19 @@ Design note: the tables live in the store's database (SQLite file or PostgreSQL,
 SQLAlchemy engine as conversations), so every replica of the server sees a key the moment it is
 created or revoked; there is no cache to go stale. A lookup is one primary-key read.
 
-Ownership: `Owners` maps a resource (`conversation:<id>`) to the key that created it. A resource
-created without a key (the web chat, the CLI, the open loopback server) has no owner row and is
-visible only to key-less callers; the server answers 404 for anything another key owns.
+Ownership: `Owners` maps a resource (`conversation:<id>`, `document:<doc id>`) to the key that
+created it. A resource created without a key (the CLI, the open loopback server's local user) has no
+owner row and is visible only to key-less callers; the server answers 404 for anything another key
+owns. A document may also belong to one conversation (`document_links`): it is searched only in that
+conversation's turns and deleted with it.
+
+Documents: `DocumentAccess` is the one rule for which documents a caller may list, remove and search
+— the REST routes, the web chat and every turn's document scope (tools/retrieval.py) apply it:
+  * a key's documents are those it uploaded; the key-less local user's are those no key owns;
+  * documents no key owns and no conversation holds (the operator's library, ingested with the CLI)
+    are also seen by every key — read-only — when `server.shared_library` is on (off by default);
+  * a conversation's document is searched only in that conversation's turns (it is still listed,
+    so its owner can see and remove it).
 """
 
 from __future__ import annotations
@@ -19,7 +29,9 @@ import hashlib
 import hmac
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
 
 from sqlalchemy import Column, Float, MetaData, String, Table, Text, select, update
 from sqlalchemy.engine import Engine as SqlEngine
@@ -48,6 +60,22 @@ owners = Table(
     Column("resource", String(96), primary_key=True),  # "<kind>:<id>", e.g. conversation:ab12...
     Column("key_id", String(16), nullable=False),
 )
+
+
+document_links = Table(
+    "document_links",
+    metadata,
+    Column("doc_id", String(96), primary_key=True),  # a document that belongs to one conversation only
+    Column("conversation_id", String(64), nullable=False, index=True),
+)
+
+
+def upload_folder(data_dir: str | Path, key_id: str, conversation_id: str | None = None) -> Path:
+    """Where a caller's uploaded documents are saved: <data_dir>/uploads/documents/<key id, or "local">/,
+    and a conversation's own files under conversations/<id>/ there (a document's id is its path's, so
+    each key's, and each conversation's, file of one name is a document of its own)."""
+    folder = Path(data_dir).resolve() / "uploads" / "documents" / (key_id or "local")
+    return folder / "conversations" / conversation_id if conversation_id else folder
 
 
 class ApiKeyError(AssistantError):
@@ -172,3 +200,75 @@ class Owners:
     def forget(self, kind: str, resource_id: str) -> None:
         with self._db.begin() as c:
             c.execute(owners.delete().where(owners.c.resource == f"{kind}:{resource_id}"))
+
+    def owners_of(self, kind: str) -> dict[str, str]:
+        """Every owned resource of `kind`: id -> key id."""
+        with self._db.connect() as c:
+            rows = c.execute(select(owners.c.resource, owners.c.key_id)
+                             .where(owners.c.resource.like(f"{kind}:%"))).all()
+        return {r[0].split(":", 1)[1]: r[1] for r in rows}
+
+    # -- documents of one conversation ------------------------------------------------------------
+    def link(self, doc_id: str, conversation_id: str) -> None:
+        """Make `doc_id` a document of `conversation_id` only."""
+        with self._db.begin() as c:
+            c.execute(document_links.delete().where(document_links.c.doc_id == doc_id))
+            c.execute(document_links.insert().values(doc_id=doc_id, conversation_id=conversation_id))
+
+    def unlink(self, doc_id: str) -> None:
+        with self._db.begin() as c:
+            c.execute(document_links.delete().where(document_links.c.doc_id == doc_id))
+
+    def links(self) -> dict[str, str]:
+        """doc id -> the conversation it belongs to, for every conversation's document."""
+        with self._db.connect() as c:
+            return {r[0]: r[1] for r in c.execute(select(document_links.c.doc_id, document_links.c.conversation_id))}
+
+    def documents_of(self, conversation_id: str) -> list[str]:
+        """The doc ids that belong to `conversation_id`."""
+        with self._db.connect() as c:
+            rows = c.execute(select(document_links.c.doc_id).where(document_links.c.conversation_id == conversation_id))
+            return sorted(r[0] for r in rows)
+
+    def access(self, key_id: str, *, shared_library: bool = False) -> "DocumentAccess":
+        """The document rule for caller `key_id` ("" = the local user), over a snapshot of both tables."""
+        return DocumentAccess(key_id, shared_library, self.owners_of("document"), self.links())
+
+
+@dataclass(frozen=True)
+class DocumentAccess:
+    """Which documents one caller may list, remove and search (the rule in the module docstring)."""
+
+    key_id: str  # the caller's key id; "" = the key-less local user
+    shared_library: bool  # server.shared_library: keys also see the operator's library, read-only
+    owner: Mapping[str, str] = field(default_factory=dict)  # doc id -> the key that uploaded it
+    conversation: Mapping[str, str] = field(default_factory=dict)  # doc id -> the conversation it belongs to
+
+    def mine(self, doc_id: str) -> bool:
+        """Uploaded by this caller (the local user: by no key); the caller may remove it."""
+        owner = self.owner.get(doc_id)
+        return owner == self.key_id if self.key_id else owner is None
+
+    def shared(self, doc_id: str) -> bool:
+        """The operator's library seen by a key through server.shared_library (read-only)."""
+        return (bool(self.key_id) and self.shared_library and doc_id not in self.owner
+                and doc_id not in self.conversation)
+
+    def may_see(self, doc_id: str, conversation_id: str | None = None) -> bool:
+        """Listed for the caller; with `conversation_id`, only that conversation's documents."""
+        if conversation_id is not None and self.conversation.get(doc_id) != conversation_id:
+            return False
+        return self.mine(doc_id) or self.shared(doc_id)
+
+    def may_search(self, doc_id: str, conversation_id: str | None) -> bool:
+        """Searchable in a turn of `conversation_id`: visible, and in no other conversation."""
+        return self.conversation.get(doc_id) in (None, conversation_id) and (self.mine(doc_id) or self.shared(doc_id))
+
+    def scope(self, conversation_id: str | None, library: Callable[[], Iterable[str]]) -> frozenset[str]:
+        """The doc ids a turn of `conversation_id` may search and read. `library()` lists every doc id
+        in the index; it is not asked for a key that sees only its own uploads."""
+        if self.key_id and not self.shared_library:
+            candidates: Iterable[str] = [d for d, k in self.owner.items() if k == self.key_id]
+        else:
+            candidates = library()
+        return frozenset(d for d in candidates if self.may_search(d, conversation_id))

@@ -5,12 +5,14 @@ documents, their turns and uploads streamed as SSE, ownership by key, the error 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 from fastapi.testclient import TestClient
 
 from tests.conftest import serve_in_thread
 from assistant.engine.base import TokenDelta
+from assistant.engine.fake import ScriptedEngine
 from tests.gateway_fakes import GatedEngine, assert_openai_error, bearer, make_app
 
 NOTES = ("notes.txt", b"The warranty period is seven years.\n")
@@ -296,3 +298,209 @@ def test_the_openapi_schema_describes_the_routes(tmp_path):
     assert rename["schema"]["$ref"].endswith("/Rename")
     assert "multipart/form-data" in paths["/api/documents"]["post"]["requestBody"]["content"]
     assert "title" in schema["components"]["schemas"]["Rename"]["properties"]
+
+
+# -- what a turn may search: the caller's documents only (the turn's document scope) ------------------
+
+SECRET = ("alice_plans.txt", b"The vault code is 4471. Only Alice knows the vault code.\n")
+GARDEN = ("bob_notes.txt", b"The garden gate is green. The gate code is not written down.\n")
+SEARCH = "What is the vault code in my document?"
+PATHS = ("conversation", "turns", "regenerate", "edit", "v1", "v1-stream")
+
+
+class ReadingEngine(ScriptedEngine):
+    """Answers every turn alike (`answer`); a question "read NAME" (with tools offered) first calls
+    read_document on NAME, and the answer follows the tool's observation."""
+
+    answer = "The vault code is 4471 [1]."
+
+    def generate(self, prompt, params, *, tools=None, cancel=None):
+        question = next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+        called = any(m["role"] == "tool" for m in prompt)
+        if tools and question.startswith("read ") and not called:
+            call = {"name": "read_document", "arguments": {"document": question.split()[1]}}
+            self.script = [f"<tool_call>{json.dumps(call)}</tool_call>"]
+        else:
+            self.script = [self.answer]
+        return super().generate(prompt, params, tools=tools, cancel=cancel)
+
+
+def v1_events(response) -> list[tuple[str, dict]]:
+    """The `assistant.<type>` SSE events of a streamed /v1 answer (the extra events OpenAI clients ignore)."""
+    out = []
+    for block in filter(None, response.text.split("\n\n")):
+        fields = dict(line.split(": ", 1) for line in block.splitlines())
+        if fields.get("event", "").startswith("assistant."):
+            out.append((fields["event"].removeprefix("assistant."), json.loads(fields["data"])))
+    return out
+
+
+def turn_via(client, path: str, headers: dict, question: str, cid: str | None = None) -> list[tuple[str, dict]]:
+    """One turn of `question` through one HTTP turn path, as (event type, data)."""
+    if path == "conversation":
+        cid = cid or client.post("/api/conversations", headers=headers).json()["id"]
+        return stream(client, f"/api/conversations/{cid}/turns", json={"text": question}, headers=headers)
+    if path == "turns":
+        return stream(client, "/api/turns", json={"text": question, "conversation_id": cid}, headers=headers)
+    if path == "regenerate":
+        started, *_, done = turn_via(client, "conversation", headers, question, cid)
+        cid = started[1]["conversation_id"]
+        return stream(client, f"/api/conversations/{cid}/messages/{done[1]['message_id']}/regenerate",
+                      headers=headers)
+    if path == "edit":
+        started = turn_via(client, "conversation", headers, "Hello", cid)[0][1]
+        return stream(client, f"/api/conversations/{started['conversation_id']}/messages/"
+                              f"{started['user_message_id']}/edit", json={"text": question}, headers=headers)
+    body = {"model": "assistant", "messages": [{"role": "user", "content": question}]}
+    if path == "v1":
+        reply = client.post("/v1/chat/completions", json=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+        return [("sources", {"sources": reply.json()["sources"]})]
+    response = client.post("/v1/chat/completions", json={**body, "stream": True}, headers=headers)
+    assert response.status_code == 200, response.text
+    return v1_events(response)
+
+
+def retrieved(prompt) -> str:
+    """The document text a prompt holds: the prefetched passages and the tools' observations."""
+    return "\n".join(str(m["content"]) for m in prompt if m["role"] == "tool" or
+                     m["role"] == "system" and str(m["content"]).startswith("Passages"))
+
+
+def cited(events) -> set[str]:
+    return {s["doc"] for kind, data in events if kind == "sources" for s in data["sources"]}
+
+
+def tool_steps(events) -> list[dict]:
+    return [data for kind, data in events if kind == "tool_call_finished"]
+
+
+def keys_with_documents(tmp_path, **server):
+    engine = ReadingEngine()
+    assistant, _, app = make_app(tmp_path, engine=engine, **server)
+    client = TestClient(app)
+    alice = bearer(assistant.keys.create("alice", "paid")[1])
+    bob = bearer(assistant.keys.create("bob", "paid")[1])
+    for headers, upload in ((alice, SECRET), (bob, GARDEN)):
+        assert stream(client, "/api/documents", files=[("file", upload)], headers=headers)[-1][1]["documents"]
+    return assistant, engine, client, alice, bob
+
+
+def test_another_keys_document_is_never_searched_read_or_cited_in_any_turn(tmp_path):
+    assistant, engine, client, alice, bob = keys_with_documents(tmp_path)
+    for path in PATHS:
+        before = len(engine.prompts)
+        events = turn_via(client, path, bob, SEARCH)
+        prompts = json.dumps(engine.prompts[before:])
+        assert "4471" not in prompts and "alice_plans" not in prompts, path
+        assert "alice_plans.txt" not in cited(events), path
+        if path != "v1":  # (the plain /v1 answer has no tool steps to show)
+            (prefetched,) = [s for s in tool_steps(events) if s["name"] == "search_documents"]
+            assert "alice_plans" not in prefetched["summary"], path
+        if path == "regenerate":
+            continue  # (answers the question again: "read ..." is not a question it can send)
+        before = len(engine.prompts)
+        outside = turn_via(client, path, bob, "read alice_plans.txt")
+        unknown = turn_via(client, path, bob, "read carol_plans.txt")
+        if path != "v1":
+            reads = [[s for s in tool_steps(e) if s["name"] == "read_document"] for e in (outside, unknown)]
+            assert [[s["ok"] for s in r] for r in reads] == [[False], [False]], path
+        observed = [m["content"] for p in engine.prompts[before:] for m in p if m["role"] == "tool"]
+        assert len(observed) == 2, path  # the same observation as for a name that is nowhere (maybe fenced as data)
+        assert "No document 'alice_plans.txt'. Documents: bob_notes.txt." in observed[0], path
+        assert "No document 'carol_plans.txt'. Documents: bob_notes.txt." in observed[1], path
+    # alice's own turns find, read and cite it, through every path
+    for path in PATHS:
+        before = len(engine.prompts)
+        events = turn_via(client, path, alice, SEARCH)
+        assert "The vault code is 4471." in json.dumps(engine.prompts[before:]), path
+        assert cited(events) == {"alice_plans.txt"}, path
+    turn_via(client, "conversation", alice, "read alice_plans.txt")
+    assert "alice_plans.txt p. 1: The vault code is 4471." in engine.prompts[-1][-1]["content"]  # read_document
+
+
+def test_a_conversations_document_is_searched_only_in_that_conversation_and_goes_with_it(tmp_path):
+    assistant, engine, client, alice, bob = keys_with_documents(tmp_path)
+    trip = client.post("/api/conversations", json={"title": "Trip"}, headers=alice).json()["id"]
+    other = client.post("/api/conversations", json={"title": "Other"}, headers=alice).json()["id"]
+    hotel = ("hotel.txt", b"The hotel of the trip is called Seagull Inn.\n")
+    assert_openai_error(client.post("/api/documents", files=[("file", hotel)], data={"conversation_id": trip},
+                                    headers=bob), 404)  # not bob's conversation
+    (doc,) = stream(client, "/api/documents", files=[("file", hotel)], data={"conversation_id": trip},
+                    headers=alice)[-1][1]["documents"]
+    listed = lambda path: [d["doc_id"] for d in client.get(path, headers=alice).json()["data"]]  # noqa: E731
+    assert listed(f"/api/conversations/{trip}/documents") == [doc["doc_id"]]
+    assert listed(f"/api/documents?conversation_id={trip}") == [doc["doc_id"]]
+    assert listed(f"/api/conversations/{other}/documents") == listed(f"/api/documents?conversation_id={other}") == []
+    everything = client.get("/api/documents", headers=alice).json()["data"]
+    assert {(d["file_name"], d["conversation_id"]) for d in everything} == {("alice_plans.txt", None),
+                                                                            ("hotel.txt", trip)}
+    assert_openai_error(client.get(f"/api/conversations/{trip}/documents", headers=bob), 404)
+    question = "What is the hotel of the trip called, in my document?"
+    engine.answer = "The hotel of the trip is called Seagull Inn [1]."
+    for path in ("conversation", "turns"):
+        assert cited(turn_via(client, path, alice, question, trip)) == {"hotel.txt"}, path
+        assert "Seagull" in retrieved(engine.prompts[-1]), path
+        events = turn_via(client, path, alice, question, other)  # the same key, another conversation
+        assert "Seagull" not in retrieved(engine.prompts[-1]) and "hotel.txt" not in cited(events), path
+        events = turn_via(client, path, alice, question)  # a new conversation
+        assert "Seagull" not in retrieved(engine.prompts[-1]) and "hotel.txt" not in cited(events), path
+    turn_via(client, "v1", alice, question)
+    assert "Seagull" not in retrieved(engine.prompts[-1])
+    saved = tmp_path / "uploads" / "documents" / assistant.keys.list()[0].id / "conversations" / trip / "hotel.txt"
+    assert saved.exists()
+    assert client.delete(f"/api/conversations/{trip}", headers=alice).json() == {"id": trip, "deleted": True}
+    assert {d["file_name"] for d in assistant.documents.list()} == {"alice_plans.txt", "bob_notes.txt"}
+    assert not saved.exists() and not saved.parent.exists()
+    assert assistant.owners.documents_of(trip) == [] and assistant.owners.owner("document", doc["doc_id"]) is None
+    assert [d["file_name"] for d in client.get("/api/documents", headers=alice).json()["data"]] == ["alice_plans.txt"]
+
+
+def operator_library(tmp_path, **server):
+    """An app with one key's document and one the operator ingested with the CLI (no owner)."""
+    assistant, engine, client, alice, bob = keys_with_documents(tmp_path, **server)
+    handbook = tmp_path / "handbook.md"
+    handbook.write_text("# Handbook\n\nThe office vault code is 9902.\n")
+    (cli,) = assistant.documents.ingest([handbook])
+    return assistant, engine, client, alice, cli.doc_id
+
+
+def test_the_operators_library_is_private_unless_shared(tmp_path):
+    assistant, engine, client, alice, handbook = operator_library(tmp_path / "private")
+    assert handbook not in [d["doc_id"] for d in client.get("/api/documents", headers=alice).json()["data"]]
+    engine.answer = "The office vault code is 9902 [1]."
+    for path in ("conversation", "v1"):
+        events = turn_via(client, path, alice, "What is the office vault code in the handbook document?")
+        assert "9902" not in retrieved(engine.prompts[-1]) and "handbook.md" not in cited(events), path
+    assert_openai_error(client.delete(f"/api/documents/{handbook}", headers=alice), 404)
+
+    assistant, engine, client, alice, handbook = operator_library(tmp_path / "shared", shared_library=True)
+    listed = {d["doc_id"]: d["shared"] for d in client.get("/api/documents", headers=alice).json()["data"]}
+    assert listed[handbook] is True and list(listed.values()).count(False) == 1  # her own, and the shared one
+    engine.answer = "The office vault code is 9902 [1]."
+    for path in ("conversation", "v1"):
+        events = turn_via(client, path, alice, "What is the office vault code in the handbook document?")
+        assert "9902" in retrieved(engine.prompts[-1]) and "handbook.md" in cited(events), path
+    assert_openai_error(client.delete(f"/api/documents/{handbook}", headers=alice), 403, code="permission_denied")
+    assert handbook in [d["doc_id"] for d in assistant.documents.list()]
+
+
+def test_the_local_user_searches_what_no_key_owns_and_the_cli_searches_everything(tmp_path):
+    engine = ReadingEngine()
+    assistant, _, app = make_app(tmp_path, engine=engine)
+    client = TestClient(app)  # an open server: the key-less local user
+    handbook = tmp_path / "handbook.md"
+    handbook.write_text("# Handbook\n\nThe office vault code is 9902.\n")
+    assistant.documents.ingest([handbook]).__next__()
+    stream(client, "/api/documents", files=[("file", SECRET)])
+    for path in PATHS:
+        events = turn_via(client, path, {}, "What is the vault code in my documents?")
+        assert {"9902", "4471"} <= set(re.findall(r"\d{4}", retrieved(engine.prompts[-1]))), path
+        assert cited(events) == {"alice_plans.txt"}, path
+    # a key's upload is not the local user's (nor, without a scope, hidden from the in-process CLI)
+    key = bearer(assistant.keys.create("k", "free")[1])
+    stream(client, "/api/documents", files=[("file", GARDEN)], headers=key)
+    local = assistant.owners.access("").scope(None, lambda: [d["doc_id"] for d in assistant.documents.list()])
+    assert len(local) == 2 and len(assistant.documents.list()) == 3
+    list(assistant.turn(None, "What does the garden gate document say?"))  # the CLI: no scope
+    assert "The garden gate is green." in retrieved(engine.prompts[-1])

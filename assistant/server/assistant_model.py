@@ -6,6 +6,7 @@ the caller's key), the last one is the turn. The answer comes in OpenAI's shape 
 OpenAI clients ignore: `sources` (verified citations) and `conversation_id`; when streaming, tool
 steps, sources and safety verdicts come as extra `event: assistant.<type>` SSE events. The turn's
 Usage event feeds the ledger; a client that goes away cancels the turn and its partial usage is kept.
+The turn searches only the caller's documents (gateway.document_scope, as every HTTP turn does).
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def assistant_completion(assistant: Any, messages: list[dict], params: Any, stre
         return JSONResponse(error_body("The model `assistant` answers a conversation that ends with a user message.",
                                        param="messages"), 400)
     conversation_id = assistant.conversations.start(history, title=str(last["content"])[:60])
+    scope = None
     if gateway is not None and ticket is not None:
         gateway.claim(ticket.principal, "conversation", conversation_id)
+        scope = gateway.document_scope(ticket.principal, conversation_id, assistant.documents.list)
     cancel = threading.Event()
     turn_input = UserInput(str(last["content"]), images=tuple(Attachment(f"image-{i}", data=data)
                                                             for i, data in enumerate(images, start=1)))
-    events = assistant.turn(conversation_id, turn_input, params=params, cancel=cancel)
+    events = assistant.turn(conversation_id, turn_input, params=params, cancel=cancel, scope=scope)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     tally = TurnTally(metrics)
     headers = ticket.headers if ticket is not None else {}

@@ -11,6 +11,11 @@ settled, metrics). One `Gateway` per app; one `Ticket` per admitted request.
                                                        any thread; also on a cancelled stream
 
 Refusals and admitted responses carry the rate-limit headers (`ticket.headers`).
+
+Ownership: `may_see` / `claim` / `forget` for conversations; for documents `documents(principal)`
+is the caller's `DocumentAccess` (assistant/keys.py) and `document_scope(principal, conversation_id,
+library)` the doc ids a turn may search, by the same rule, so what a key can list is what it can
+search (plus, in a conversation, that conversation's own files).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from starlette.concurrency import run_in_threadpool
 
@@ -87,8 +92,9 @@ class Ticket:
 class Gateway:
     def __init__(self, auth: Authenticator, *, limiter: Limiter | None = None, ledger: Any = None, owners: Any = None,
                  admission: Admission | None = None, metrics: Metrics | None = None, max_body_bytes: int = 4 << 20,
-                 max_upload_bytes: int = 64 << 20) -> None:
+                 max_upload_bytes: int = 64 << 20, shared_library: bool = False) -> None:
         self.auth = auth
+        self.shared_library = shared_library  # keys also see the documents no key owns (server.shared_library)
         self.limiter = limiter or MemoryLimiter()
         self.ledger, self.owners = ledger, owners
         self.admission = admission or Admission(16, 64)
@@ -106,7 +112,7 @@ class Gateway:
         return cls(Authenticator.from_config(config, assistant.keys), limiter=create_limiter(s.redis_url),
                    ledger=assistant.usage, owners=assistant.owners, admission=admission,
                    metrics=Metrics(stats if callable(stats) else None, admission), max_body_bytes=s.max_body_bytes,
-                   max_upload_bytes=s.max_upload_bytes)
+                   max_upload_bytes=s.max_upload_bytes, shared_library=s.shared_library)
 
     @classmethod
     def from_keys(cls, api_keys: tuple[str, ...] = ()) -> "Gateway":
@@ -138,6 +144,7 @@ class Gateway:
             self.metrics.admission_rejected.inc()
             if principal.tier is not None and decision is not UNLIMITED:
                 await run_in_threadpool(self.limiter.settle, principal.key_id, principal.tier, estimate, 0)
+            await run_in_threadpool(self._ledger_refusal, principal, model, request, "busy")  # refused: a row too
             return Refusal(503, "The server is at capacity (the generation queue is full): retry shortly.",
                            "overloaded", "server_busy", {**decision.headers(), "retry-after": str(BUSY_RETRY_AFTER_S)})
         return Ticket(self, principal, model, estimate, decision, getattr(request.state, "request_id", ""))
@@ -167,9 +174,27 @@ class Gateway:
             self.owners.claim(kind, resource_id, principal.key_id)
 
     def forget(self, kind: str, resource_id: str) -> None:
-        """Drop the owner row of a deleted resource."""
+        """Drop the owner row of a deleted resource (and a document's conversation link)."""
         if self.owners is not None:
             self.owners.forget(kind, resource_id)
+            if kind == "document":
+                self.owners.unlink(resource_id)
+
+    def documents(self, principal: Principal) -> Any:
+        """The caller's DocumentAccess (assistant/keys.py): which documents it may list, remove and
+        search; None when this gateway keeps no owners (every document is everyone's)."""
+        if self.owners is None:
+            return None
+        return self.owners.access(principal.key_id, shared_library=self.shared_library)
+
+    def document_scope(self, principal: Principal, conversation_id: str | None,
+                       library: Callable[[], Iterable[dict]]) -> frozenset[str] | None:
+        """The doc ids a turn of `conversation_id` may search and read (None: no owners kept, no limit).
+        `library()` returns the library's records (Documents.list); asked only when the rule needs it."""
+        access = self.documents(principal)
+        if access is None:
+            return None
+        return access.scope(conversation_id, lambda: [d["doc_id"] for d in library()])
 
     def close(self) -> None:
         self.limiter.close()

@@ -4,28 +4,34 @@
     POST   /api/conversations                      {"title"?} -> 201, a new empty conversation
     GET    /api/conversations/{id}                 the stored active branch (messages with their meta)
     PATCH  /api/conversations/{id}                 {"title"}: rename
-    DELETE /api/conversations/{id}                 the conversation and all its messages
+    DELETE /api/conversations/{id}                 the conversation, all its messages and its documents
     POST   /api/conversations/{id}/turns           {"text", "max_tokens"?, "audio"?, "images"?, "speak"?} -> SSE
     POST   /api/conversations/{id}/messages/{message_id}/regenerate   {"max_tokens"?} -> SSE: the latest
                                                    answer (message_id) again, the old one kept as a sibling
     POST   /api/conversations/{id}/messages/{message_id}/edit         {"text", "max_tokens"?} -> SSE: the
                                                    question (message_id) changed on a new branch, answered
-    GET    /api/documents                          the caller's documents
-    POST   /api/documents                          multipart, one or more `file` parts -> SSE: `progress`
-                                                   (file_name, stage, count), `file` (one per file: added,
-                                                   updated, unchanged or failed and why), then `done`
-                                                   (documents with doc_id and num_pages, failed)
+    GET    /api/conversations/{id}/documents       the documents that belong to that conversation
+    GET    /api/documents[?conversation_id=ID]     the caller's documents (or one conversation's)
+    POST   /api/documents                          multipart, one or more `file` parts and an optional
+                                                   `conversation_id` field -> SSE: `progress` (file_name,
+                                                   stage, count), `file` (one per file: added, updated,
+                                                   unchanged or failed and why), then `done` (documents
+                                                   with doc_id and num_pages, failed)
     DELETE /api/documents/{doc_id}                 remove a document from the library (and its upload)
 
 The turn routes stream exactly what POST /api/turns streams, through the same `TurnRunner`
 (turns.py): admission, the usage ledger, and POST /api/turns/{message_id}/cancel stops them.
 Uploads are saved under <data_dir>/uploads/documents/<key id, or "local">/ (a document's id is
-its path's, so two keys' files of one name are two documents) and ingested one upload at a time
-(the embedded index has one writer), in a worker that finishes even when the client goes away.
+its path's, so two keys' files of one name are two documents; a conversation's files go one folder
+further, conversations/<id>/) and ingested one upload at a time (the embedded index has one writer),
+in a worker that finishes even when the client goes away.
 
-Ownership is the gateway's rule (gateway.may_see): a key sees what it created, the key-less local
-user of an open server what no key owns, and anything else is a 404, never a 403. Retrieval in a
-turn still searches the whole library: the owner filter applies to these routes, not to search.
+Ownership is the gateway's rule (gateway.may_see; for documents assistant/keys.py DocumentAccess): a
+key sees what it created, the key-less local user of an open server what no key owns, and anything
+else is a 404, never a 403 — except removing a document of the operator's library that a key sees
+read-only through `server.shared_library`, which is a 403. Every turn searches exactly the documents
+the caller can list here (TurnRunner.scope), less other conversations' files: an upload with a
+`conversation_id` is searched only in that conversation's turns, and deleted with the conversation.
 Errors have the API's one shape, {"error": {message, type, param, code}} (completions.error_response):
 400 for a bad body (not FastAPI's 422), 404 for an unknown or foreign id.
 """
@@ -40,13 +46,14 @@ from dataclasses import asdict
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator
 
-from fastapi import APIRouter, Depends, File, HTTPException, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, HTTPException, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from assistant.errors import AssistantError, StoreError
+from assistant.keys import upload_folder
 from assistant.server.auth import Principal, key_checker
 from assistant.server.completions import error_response
 from assistant.server.gateway import Refusal
@@ -56,7 +63,7 @@ from assistant.server.turns import TurnRunner
 
 log = logging.getLogger(__name__)
 MAX_UPLOAD_FILES = 32  # files per upload request
-CODES = {401: "invalid_api_key", 404: "not_found"}
+CODES = {401: "invalid_api_key", 403: "permission_denied", 404: "not_found"}
 
 
 class ApiError(HTTPException):
@@ -158,17 +165,26 @@ def create_rest_api(runner: TurnRunner) -> APIRouter:
 
     @router.delete("/conversations/{conversation_id}")
     def delete_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
+        """The conversation, its messages, and the documents that belong to it."""
         visible(request, conversation_id)
         assistant.conversations.delete(conversation_id)
         gateway.forget("conversation", conversation_id)
+        doc_ids = gateway.owners.documents_of(conversation_id) if gateway.owners is not None else []
+        records = {d["doc_id"]: d for d in assistant.documents.list()} if doc_ids else {}
+        for doc_id in doc_ids:
+            remove_document(doc_id, records.get(doc_id))
+        shutil.rmtree(upload_folder(assistant.config.data_dir, request.state.principal.key_id, conversation_id),
+                      ignore_errors=True)
         return {"id": conversation_id, "deleted": True}
 
     @router.post("/conversations/{conversation_id}/turns")
     async def conversation_turn(conversation_id: str, body: TurnInput, request: Request) -> Any:
         """One turn, streamed as server-sent TurnEvents (the events of POST /api/turns)."""
         await run_in_threadpool(visible, request, conversation_id)
+        principal = request.state.principal
         return await streamed(request, body.text, body.max_tokens, lambda params, cancel: assistant.turn(
-            conversation_id, body.user_input(), params=params, cancel=cancel))
+            conversation_id, body.user_input(), params=params, cancel=cancel,
+            scope=runner.scope(principal, conversation_id)))
 
     def check_latest_answer(conversation_id: str, message_id: str) -> None:
         message = message_in(conversation_id, message_id)
@@ -186,8 +202,10 @@ def create_rest_api(runner: TurnRunner) -> APIRouter:
         """The latest answer again, on a new branch (the old answer stays, a sibling); SSE."""
         await run_in_threadpool(visible, request, conversation_id)
         await run_in_threadpool(check_latest_answer, conversation_id, message_id)
+        principal = request.state.principal
         return await streamed(request, "", body.max_tokens if body else None, lambda params, cancel:
-                              assistant.regenerate(conversation_id, params=params, cancel=cancel))
+                              assistant.regenerate(conversation_id, params=params, cancel=cancel,
+                                                   scope=runner.scope(principal, conversation_id)))
 
     @router.post("/conversations/{conversation_id}/messages/{message_id}/edit")
     async def edit(conversation_id: str, message_id: str, body: Edit, request: Request) -> Any:
@@ -196,35 +214,64 @@ def create_rest_api(runner: TurnRunner) -> APIRouter:
         message = await run_in_threadpool(message_in, conversation_id, message_id)
         if message.role != "user":
             raise ApiError(400, f"Message {message_id} is an answer: only a question (a user message) is edited.")
+        principal = request.state.principal
         return await streamed(request, body.text, body.max_tokens, lambda params, cancel: assistant.edit(
-            conversation_id, message_id, body.text, params=params, cancel=cancel))
+            conversation_id, message_id, body.text, params=params, cancel=cancel,
+            scope=runner.scope(principal, conversation_id)))
 
     # -- documents --------------------------------------------------------------------------------
-    def documents_of(principal: Principal) -> list[dict[str, Any]]:
-        return [d for d in assistant.documents.list() if gateway.may_see(principal, "document", d["doc_id"])]
+    def documents_of(principal: Principal, conversation_id: str | None = None) -> list[dict[str, Any]]:
+        """The caller's documents as the API lists them (one conversation's, with `conversation_id`)."""
+        access = gateway.documents(principal)
+        records = assistant.documents.list()
+        if access is None:
+            return [_document(d) for d in records if conversation_id is None]
+        return [_document(d, access) for d in records if access.may_see(d["doc_id"], conversation_id)]
+
+    def remove_document(doc_id: str, record: dict[str, Any] | None) -> None:
+        """Delete a document from the index, its owner and link rows, and its uploaded copy."""
+        with one_writer:
+            if record is not None:
+                assistant.documents.delete(doc_id)
+        gateway.forget("document", doc_id)
+        path = Path(record["path"]) if record is not None else None
+        if path is not None and path.is_relative_to(uploads):  # an uploaded copy; elsewhere it is the user's file
+            path.unlink(missing_ok=True)
 
     @router.get("/documents")
-    def list_documents(request: Request) -> dict[str, Any]:
-        """The caller's documents in the library."""
-        return {"data": [_document(d) for d in documents_of(request.state.principal)]}
+    def list_documents(request: Request, conversation_id: str | None = None) -> dict[str, Any]:
+        """The caller's documents: the library's and every conversation's (`conversation_id` in each
+        record), or only one conversation's with `?conversation_id=`."""
+        if conversation_id is not None:
+            visible(request, conversation_id)
+        return {"data": documents_of(request.state.principal, conversation_id)}
+
+    @router.get("/conversations/{conversation_id}/documents")
+    def conversation_documents(conversation_id: str, request: Request) -> dict[str, Any]:
+        """The documents that belong to this conversation (searched only in its turns)."""
+        visible(request, conversation_id)
+        return {"data": documents_of(request.state.principal, conversation_id)}
 
     @router.delete("/documents/{doc_id}")
     def delete_document(doc_id: str, request: Request) -> dict[str, Any]:
-        found = next((d for d in documents_of(request.state.principal) if d["doc_id"] == doc_id), None)
-        if found is None:
+        principal = request.state.principal
+        access = gateway.documents(principal)
+        found = next((d for d in assistant.documents.list() if d["doc_id"] == doc_id), None)
+        if found is None or access is not None and not access.may_see(doc_id):
             raise ApiError(404, f"No document with id {doc_id!r}: list them with GET /api/documents.")
-        with one_writer:
-            assistant.documents.delete(doc_id)
-        gateway.forget("document", doc_id)
-        path = Path(found["path"])
-        if path.is_relative_to(uploads):  # an uploaded copy; a file ingested from elsewhere is the user's
-            path.unlink(missing_ok=True)
+        if access is not None and not access.mine(doc_id):
+            raise ApiError(403, f"Document {doc_id!r} is in the operator's shared library: it is read-only for "
+                                "API keys (the operator removes it with `assistant docs delete`).")
+        remove_document(doc_id, found)
         return {"id": doc_id, "deleted": True}
 
     @router.post("/documents")
     async def upload_documents(request: Request, file: list[UploadFile] = File(
-            description=f"the documents (PDF, DOCX, Markdown, text, HTML, pictures), up to {MAX_UPLOAD_FILES}")) -> Any:
-        """Save and ingest the files into the caller's library, streaming progress as server-sent events."""
+            description=f"the documents (PDF, DOCX, Markdown, text, HTML, pictures), up to {MAX_UPLOAD_FILES}"),
+            conversation_id: str | None = Form(None, description="make them documents of this conversation only: "
+                                               "searched in its turns, deleted with it (default: the library)")) -> Any:
+        """Save and ingest the files into the caller's library (or one of its conversations), streaming
+        progress as server-sent events."""
         if not assistant.documents.available:
             raise ApiError(501, "Documents are not part of this build: run `make setup` or pip install -e '.[ingest]'.")
         if len(file) > MAX_UPLOAD_FILES:
@@ -233,16 +280,25 @@ def create_rest_api(runner: TurnRunner) -> APIRouter:
         if len(set(names)) < len(names):
             raise ApiError(400, "Two files have the same name: send them in separate requests.", "file")
         principal = request.state.principal
+        conversation_id = (conversation_id or "").strip() or None
+        if conversation_id is not None:
+            await run_in_threadpool(visible, request, conversation_id)
         ticket = await gateway.admit(request, principal, "documents", 0)
         if isinstance(ticket, Refusal):
             return _refused(ticket)
+        folder = upload_folder(assistant.config.data_dir, principal.key_id, conversation_id)
         try:
-            paths = await run_in_threadpool(_save, uploads / (principal.key_id or "local"), names, file)
+            paths = await run_in_threadpool(_save, folder, names, file)
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")
             raise
-        events = ingest_stream(assistant.documents, paths, lambda doc_id: gateway.claim(principal, "document", doc_id),
-                               one_writer, ticket.finish)
+
+        def claim(doc_id: str) -> None:
+            gateway.claim(principal, "document", doc_id)
+            if conversation_id is not None and gateway.owners is not None:
+                gateway.owners.link(doc_id, conversation_id)
+
+        events = ingest_stream(assistant.documents, paths, claim, one_writer, ticket.finish)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers=ticket.headers)
 
     return router
@@ -268,10 +324,15 @@ def _save(folder: Path, names: list[str], files: list[UploadFile]) -> list[Path]
     return paths
 
 
-def _document(record: dict[str, Any]) -> dict[str, Any]:
-    """A library record as the API shows it (not the server's paths or the ledger's flags)."""
+def _document(record: dict[str, Any], access: Any = None) -> dict[str, Any]:
+    """A library record as the API shows it (not the server's paths or the ledger's flags), with the
+    conversation it belongs to (None: the library) and whether it is the operator's, read-only."""
     keys = ("doc_id", "file_name", "format", "num_pages", "num_chunks", "size", "ingested_at", "warnings")
-    return {k: record.get(k) for k in keys}
+    shown = {k: record.get(k) for k in keys}
+    doc_id = record.get("doc_id", "")
+    shown["conversation_id"] = access.conversation.get(doc_id) if access is not None else None
+    shown["shared"] = bool(access is not None and access.shared(doc_id))
+    return shown
 
 
 def _file_result(result: Any) -> dict[str, Any]:

@@ -18,6 +18,8 @@ arrive as `error` events followed by `done`, like every other front end sees the
 
 The gateway applies here as on /v1 (gateway.py): a key (401), its rate limits (429), a running slot
 (503), the usage ledger; a conversation belongs to the key that created it, and any other key gets 404.
+Every turn run here searches only the caller's documents (`TurnRunner.scope`: gateway.document_scope,
+the rule of GET /api/documents, plus the files of the turn's own conversation).
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ class TurnRunner:
         self.assistant, self.gateway = assistant, gateway
         self.running = RunningTurns()
 
+    def scope(self, principal: Principal, conversation_id: str | None) -> frozenset[str] | None:
+        """The doc ids a turn of `conversation_id` by `principal` may search and read (blocking: the store
+        and the index are asked, so call it in the threadpool, as `start` callbacks are)."""
+        return self.gateway.document_scope(principal, conversation_id, self.assistant.documents.list)
+
     def check_visible(self, principal: Principal, conversation_id: str) -> None:
         """404 for a conversation that does not exist or that another key owns (never 403)."""
         try:
@@ -123,7 +130,8 @@ def create_turn_routes(assistant: Any, api_keys: tuple[str, ...] = (), gateway: 
                 title = body.text[:60] or ("spoken question" if body.audio else "pictures")
                 conversation_id = assistant.conversations.start((), title=title)
                 gateway.claim(principal, "conversation", conversation_id)
-            return assistant.turn(conversation_id, body.user_input(), params=params, cancel=cancel)
+            return assistant.turn(conversation_id, body.user_input(), params=params, cancel=cancel,
+                                  scope=runner.scope(principal, conversation_id))
 
         response = await runner.run(request, body.text, body.max_tokens, start)
         if isinstance(response, Refusal):
