@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 
 import httpx
 import pytest
 
+from assistant.errors import AssistantError
 from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
 from tests.conftest import serve_in_thread
 
@@ -83,3 +86,119 @@ def test_every_front_end_stores_the_same_turn(served):
         assert _stored_turn(assistant, cid) == expected, path  # ... holding the same stored turn
     # every path sent the model the same prompt (same passages, same question)
     assert all(p == engine.prompts[0] for p in engine.prompts[1:4])
+
+
+# -- the web chat's turns search only the logged-in key's documents -----------------------------------
+
+
+@pytest.fixture
+def keyed(tmp_path):
+    """The real app with the web chat mounted (keys configured: a login), a scripted engine, the in-memory
+    store and the real document pipeline (hash embedder); alice and bob each uploaded one document."""
+    pytest.importorskip("gradio")
+    from fastapi.testclient import TestClient
+
+    from assistant.app import build_assistant
+    from assistant.config import AssistantConfig
+    from assistant.server.app import create_app
+    from assistant.store import Store
+    from tests.test_rest_api import GARDEN, SECRET, ReadingEngine, stream
+
+    engine = ReadingEngine()
+    config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "retrieval.embedder": "hash-64",
+                                                     "safety.enabled": False})
+    assistant = build_assistant(config, engine=engine, store=Store("sqlite://"), tools=[])
+    app = create_app(assistant)
+    keys = {name: assistant.keys.create(name, "paid") for name in ("alice", "bob")}
+    rest = TestClient(app)
+    for name, upload in (("alice", SECRET), ("bob", GARDEN)):
+        stream(rest, "/api/documents", files=[("file", upload)], headers={"Authorization": f"Bearer {keys[name][1]}"})
+    yield assistant, engine, app, keys
+    assistant.close()
+
+
+def test_the_web_chats_turns_search_only_the_logged_in_keys_documents(keyed, tmp_path):
+    from gradio_client import Client
+
+    import uvicorn
+
+    from tests.conftest import free_port
+
+    assistant, engine, app, keys = keyed
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.05)
+    try:
+        base = f"http://127.0.0.1:{server.config.port}"
+        clients = [Client(base + "/", verbose=False, headers={"Authorization": f"Bearer {keys[name][1]}"})
+                   for name in ("alice", "bob")]
+        _check_web_chat_turns(assistant, engine, keys, *clients, tmp_path)
+    finally:
+        server.should_exit = server.force_exit = True  # (the clients' event streams would hold it 10 s)
+        thread.join(timeout=10)
+
+
+def _check_web_chat_turns(assistant, engine, keys, as_alice, as_bob, tmp_path):
+    from gradio_client import handle_file
+
+    from tests.test_rest_api import retrieved
+
+    bob = keys["bob"][0]
+    shown = as_bob.predict("What is the vault code in my document?", api_name="/ask")
+    assert "4471" not in retrieved(engine.prompts[-1]) and "alice_plans" not in shown
+    assert "The garden gate is green." in retrieved(engine.prompts[-1])  # his own document is searched
+    as_bob.predict(api_name="/regenerate")
+    assert "4471" not in retrieved(engine.prompts[-1])
+    # a file attached to a message belongs to bob and (the default) to this conversation only
+    trip = tmp_path / "bob_trip.txt"
+    trip.write_text("The hotel of the trip is called Seagull Inn.\n")
+    as_bob.predict(api_name="/new_chat")
+    as_bob.predict({"text": "What is the hotel of the trip called, in my document?", "files": [handle_file(str(trip))]},
+                   [], api_name="/chat")
+    assert "Seagull" in retrieved(engine.prompts[-1])
+    (doc_id,) = [d["doc_id"] for d in assistant.documents.list() if d["file_name"] == "bob_trip.txt"]
+    cid = assistant.owners.links()[doc_id]
+    assert assistant.owners.owner("document", doc_id) == bob.id and assistant.owners.documents_of(cid) == [doc_id]
+    assert assistant.owners.owner("conversation", cid) == bob.id
+    assert [m.content for m in assistant.conversations.history(cid)][0].startswith("What is the hotel")
+    as_bob.predict(api_name="/new_chat")
+    as_bob.predict("What is the hotel of the trip called, in my document?", api_name="/ask")  # another conversation
+    assert "Seagull" not in retrieved(engine.prompts[-1])
+    as_alice.predict("What is the hotel of the trip called, in my document?", api_name="/ask")
+    assert "Seagull" not in retrieved(engine.prompts[-1]) and "4471" in retrieved(engine.prompts[-1])
+    with pytest.raises(Exception, match="No conversation"):
+        as_alice.predict(cid, api_name="/resume")
+
+
+def test_the_web_chat_lists_removes_and_deletes_documents_by_the_rest_apis_rule(keyed, tmp_path):
+    from assistant.seams import Attachment
+    from ui.gradio_app import LIBRARY, WebChat
+
+    assistant, engine, _, keys = keyed
+    (alice, _), (bob, _) = keys["alice"], keys["bob"]
+    web = WebChat(assistant)
+    cid = web.start("Trip", bob.id)
+    events = list(web.attach((Attachment("bob_trip.txt", b"The hotel is called Seagull Inn.\n"),), bob.id, cid))
+    assert events[-1].ok and "this conversation" in events[-1].summary
+    list(web.attach((Attachment("bob_shelf.txt", b"Shelf notes.\n"),), bob.id, cid, LIBRARY))
+    library, own = web.documents(bob.id, cid)
+    assert sorted(d["file_name"] for d in library) == ["bob_notes.txt", "bob_shelf.txt"]
+    assert [d["file_name"] for d in own] == ["bob_trip.txt"] and all(d["removable"] for d in [*library, *own])
+    assert [d["file_name"] for d in web.documents(bob.id, None)[1]] == []  # another conversation's view
+    names = lambda key, c=None: sorted(d["file_name"] for part in web.documents(key, c) for d in part)  # noqa: E731
+    assert names(alice.id, cid) == ["alice_plans.txt"] and names("") == []  # neither alice nor the local user
+    scope = web.scope(bob.id, cid)
+    assert {d["file_name"] for d in assistant.documents.list() if d["doc_id"] in scope} == \
+        {"bob_notes.txt", "bob_shelf.txt", "bob_trip.txt"}
+    alices = next(d["doc_id"] for d in assistant.documents.list() if d["file_name"] == "alice_plans.txt")
+    with pytest.raises(AssistantError, match="No document"):
+        web.remove_document(alices, bob.id)
+    shelf = next(d["doc_id"] for d in library if d["file_name"] == "bob_shelf.txt")
+    assert web.remove_document(shelf, bob.id) == "bob_shelf.txt"
+    web.delete(cid, bob.id)  # the conversation takes its file with it
+    assert sorted(d["file_name"] for d in assistant.documents.list()) == ["alice_plans.txt", "bob_notes.txt"]
+    assert not (tmp_path / "uploads" / "documents" / bob.id / "conversations" / cid).exists()
+    with pytest.raises(Exception):
+        assistant.conversations.get(cid)

@@ -6,6 +6,15 @@ Each browser session (and each `gradio_client.Client`) keeps its conversation id
 a conversation continues across turns and is stored server-side; the Chatbot only renders. Who is
 calling is the `username` Gradio gets from the login (a key id; "" for the open server's local user),
 and every handler applies the gateway's ownership rule (render.may_see) to the conversations it reads.
+
+Documents follow the REST API's rule (assistant/keys.py DocumentAccess): the files a message carries
+are saved under the caller's upload folder, ingested and claimed for the logged-in key before the
+turn, and every turn searches only what the caller may see (`WebChat.scope`). A choice under the chat
+says where attached files go: **this conversation** (the default) or **the library**. The default is
+the conversation because a file dropped into a chat is usually about that chat (as in ChatGPT's and
+Open WebUI's chats), and it is the private choice: a file reaches every other conversation's search
+only when the user says so; a conversation's files go when the conversation is deleted. The
+"Documents" panel lists both kinds and removes the caller's own.
 API endpoints (for gradio_client and scripts):
   /chat   (message, history) -> (cleared textbox, history)   streaming, used by the web page
   /ask    (message) -> answer text                            streaming, same conversation state
@@ -19,16 +28,18 @@ API endpoints (for gradio_client and scripts):
 import io
 import mimetypes
 import secrets
+import shutil
 import threading
 import wave
 from pathlib import Path
 from typing import Any, Iterator
 
 from assistant.errors import AssistantError
-from assistant.events import TurnStarted
+from assistant.events import Done, Error, ToolCallFinished, ToolCallStarted, TurnEvent, TurnStarted
+from assistant.keys import upload_folder
 from assistant.seams import Attachment, UserInput
-from ui.render import (TurnView, conversation_label, history_messages, library_markdown, may_see, usage_meter,
-                       visible_conversations)
+from ui.render import (TurnView, conversation_label, document_label, history_messages, library_markdown, may_see,
+                       usage_meter, visible_conversations)
 
 AUTO_MODEL = "Automatic"
 TITLE = "Offline Assistant"
@@ -37,6 +48,7 @@ COOKIE = "assistant-web-session"
 AUDIO_SUFFIXES = {".wav", ".mp3", ".ogg", ".oga", ".webm", ".flac", ".m4a", ".opus"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff"}
 DOCUMENT_TYPES = [".pdf", ".docx", ".md", ".txt", ".html", ".htm", "image", "audio"]
+CONVERSATION, LIBRARY = "conversation", "library"  # where attached files go (see the module docstring)
 
 CSS = """
 #status { min-height: 1.5em; font-size: .9em; opacity: .85 }
@@ -105,6 +117,7 @@ class WebChat:
         self.assistant = assistant
         self._cancels: dict[str, threading.Event] = {}  # browser session -> its running answer's cancel
         self._lock = threading.Lock()
+        self._writer = threading.Lock()  # the library's writes from this chat run one at a time
 
     # -- ownership ------------------------------------------------------------------------------
     def owner_of(self, conversation_id: str) -> str | None:
@@ -124,6 +137,124 @@ class WebChat:
 
     def conversations(self, key_id: str, query: str = "") -> list[Any]:
         return visible_conversations(self.assistant.conversations.list(), self.owner_of, key_id, query)
+
+    def start(self, title: str, key_id: str) -> str:
+        """A new conversation owned by the caller (made before a turn whose files belong to it)."""
+        cid = self.assistant.conversations.start((), title=title[:60])
+        self.claim(cid, key_id)
+        return cid
+
+    def delete(self, conversation_id: str, key_id: str) -> None:
+        """The conversation, its owner row, and the documents that belong to it (and their uploads)."""
+        self.check(conversation_id, key_id)
+        self.assistant.conversations.delete(conversation_id)
+        owners = getattr(self.assistant, "owners", None)
+        if owners is not None:
+            owners.forget("conversation", conversation_id)
+            for doc_id in owners.documents_of(conversation_id):
+                self._remove(doc_id)
+        shutil.rmtree(upload_folder(self.assistant.config.data_dir, key_id, conversation_id), ignore_errors=True)
+
+    # -- documents (the REST API's rule: assistant/keys.py DocumentAccess) -----------------------
+    def access(self, key_id: str) -> Any:
+        owners = getattr(self.assistant, "owners", None)
+        return owners.access(key_id, shared_library=self.assistant.config.server.shared_library) \
+            if owners is not None else None
+
+    def records(self) -> list[dict]:
+        documents = self.assistant.documents
+        return documents.list() if documents.available else []
+
+    def scope(self, key_id: str, conversation_id: str | None) -> frozenset[str] | None:
+        """The doc ids a turn of `conversation_id` by `key_id` may search (None: no owners kept, no limit)."""
+        access = self.access(key_id)
+        if access is None:
+            return None
+        return access.scope(conversation_id, lambda: [d["doc_id"] for d in self.records()])
+
+    def documents(self, key_id: str, conversation_id: str | None) -> tuple[list[dict], list[dict]]:
+        """(the library's documents the caller sees, those of `conversation_id`), each record with
+        `shared` (the operator's, read-only) and `removable` (the caller's own)."""
+        access = self.access(key_id)
+        library: list[dict] = []
+        conversation: list[dict] = []
+        for d in self.records():
+            doc_id = d.get("doc_id", "")
+            if access is None:
+                library.append({**d, "shared": False, "removable": True})
+                continue
+            if not access.may_see(doc_id):
+                continue
+            record = {**d, "shared": access.shared(doc_id), "removable": access.mine(doc_id)}
+            link = access.conversation.get(doc_id)
+            if link is None:
+                library.append(record)
+            elif link == conversation_id:
+                conversation.append(record)
+        return library, conversation
+
+    def remove_document(self, doc_id: str, key_id: str) -> str:
+        """Remove one of the caller's documents; returns its file name."""
+        access = self.access(key_id)
+        record = next((d for d in self.records() if d.get("doc_id") == doc_id), None)
+        if record is None or access is not None and not access.mine(doc_id):
+            raise AssistantError(f"No document with id {doc_id!r} that you may remove.")
+        self._remove(doc_id, record)
+        return document_label({"file_name": record.get("file_name")})
+
+    def _remove(self, doc_id: str, record: dict | None = None) -> None:
+        record = record or next((d for d in self.records() if d.get("doc_id") == doc_id), None)
+        with self._writer:
+            if record is not None:
+                self.assistant.documents.delete(doc_id)
+        owners = getattr(self.assistant, "owners", None)
+        if owners is not None:
+            owners.forget("document", doc_id)
+            owners.unlink(doc_id)
+        path = Path(record["path"]) if record is not None and record.get("path") else None
+        uploads = Path(self.assistant.config.data_dir).resolve() / "uploads" / "documents"
+        if path is not None and path.is_relative_to(uploads):  # an uploaded copy, not a file of the user's
+            path.unlink(missing_ok=True)
+
+    def attach(self, files: tuple[Attachment, ...], key_id: str, conversation_id: str | None,
+               where: str = CONVERSATION) -> Iterator[TurnEvent]:
+        """Save and ingest a message's files for the caller — into conversation `conversation_id` only
+        (`where` = CONVERSATION, which needs the id) or into the library — claiming each document for
+        the caller's key; yields the ingest step's events. Raises AssistantError when no file could be
+        read (the question would be about nothing)."""
+        if not self.assistant.documents.available:
+            raise AssistantError("Attached files need the document tools: run `make setup` or "
+                                 "pip install -e '.[ingest]'.")
+        linked = conversation_id if where == CONVERSATION else None
+        folder = upload_folder(self.assistant.config.data_dir, key_id, linked)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for f in files:
+            target = folder / (Path(f.name).name or "upload")
+            target.write_bytes(f.read())
+            paths.append(target)
+        yield ToolCallStarted("ingest_files", "ingest", {"files": [p.name for p in paths],
+                                                         "to": "this conversation" if linked else "the library"})
+        owners = getattr(self.assistant, "owners", None)
+        with self._writer:
+            results = list(self.assistant.documents.ingest(paths))
+        for r in results:
+            if r.status != "failed" and owners is not None:
+                if key_id and owners.owner("document", r.doc_id) is None:
+                    owners.claim("document", r.doc_id, key_id)
+                if linked:
+                    owners.link(r.doc_id, linked)
+        failed = [f"{r.path.name}: {r.error}" for r in results if r.status == "failed"]
+        if failed:  # their saved copies go, unless an earlier version of one is in the library
+            kept = {d.get("path") for d in self.records()}
+            for r in results:
+                if r.status == "failed" and str(r.path.resolve()) not in kept:
+                    r.path.unlink(missing_ok=True)
+        summary = "; ".join(failed) or f"ingested {len(results)} file(s) into " + (
+            "this conversation" if linked else "the library")
+        yield ToolCallFinished("ingest_files", "ingest", not failed, summary)
+        if failed and len(failed) == len(results):
+            raise AssistantError(f"No attached file could be read: {summary}")
 
     # -- turns ----------------------------------------------------------------------------------
     def params(self, temperature: float | None = None, max_tokens: float | None = None) -> Any:
@@ -203,8 +334,13 @@ def build_app(assistant: Any) -> Any:
                     export_md = gr.Button("Export .md", elem_id="export-md", size="sm")
                     export_json = gr.Button("Export .json", elem_id="export-json", size="sm")
                 exported = gr.File(label="Export", visible=False, elem_id="export-file")
-            with gr.Accordion("Library", open=False, elem_id="library-panel"):
+            with gr.Accordion("Documents", open=False, elem_id="library-panel"):
                 library = gr.Markdown(elem_id="library")
+                with gr.Row():
+                    doomed = gr.Dropdown(choices=[], label="Remove a document", elem_id="remove-choice",
+                                         scale=3, min_width=120)
+                    remove_doc = gr.Button("Remove", elem_id="remove-document", variant="stop", size="sm",
+                                           scale=1, min_width=60)
         gr.Markdown(f"### {TITLE}\nRuns fully offline on this machine.", elem_id="header")
         chatbot = gr.Chatbot(label="Chat", elem_id="chat", editable="user", scale=1, min_height=300,
                              buttons=["copy"], placeholder="Ask a question, attach a document or a picture, "
@@ -220,6 +356,8 @@ def build_app(assistant: Any) -> Any:
             newer = gr.Button("▶", elem_id="branch-next", size="sm", min_width=40)
             speak = gr.Checkbox(label="Voice answers", value=bool(assistant.config.speech.speak_answers),
                                 elem_id="speak")
+            attach_to = gr.Radio(choices=[("Files: this chat", CONVERSATION), ("Files: library", LIBRARY)],
+                                 value=CONVERSATION, show_label=False, container=False, elem_id="attach-to")
         status = gr.Markdown("", elem_id="status")
         usage = gr.HTML("", elem_id="usage")
         player = gr.Audio(label="Voice answer", streaming=True, autoplay=True, interactive=False,
@@ -240,12 +378,24 @@ def build_app(assistant: Any) -> Any:
             title = next((c.title for c in found if c.id == cid), "")
             return gr.update(choices=choices, value=cid if any(c.id == cid for c in found) else None), title
 
-        def library_text(request: gr.Request):
-            docs = assistant.documents
+        def library_text(cid: str | None, request: gr.Request):
             try:
-                return library_markdown(docs.list(), available=docs.available)
+                shelf, own = web.documents(key_id_of(request), cid)
             except AssistantError as e:
-                return f"_{e}_"
+                return f"_{e}_", gr.update(choices=[], value=None)
+            choices = [(("this chat: " if d in own else "") + document_label(d), d["doc_id"])
+                       for d in [*own, *shelf] if d.get("removable")]
+            return (library_markdown(shelf, available=assistant.documents.available, conversation=own),
+                    gr.update(choices=choices, value=None))
+
+        def remove_document(doc_id: str | None, cid: str | None, request: gr.Request):
+            if not doc_id:
+                return (*library_text(cid, request), "Choose a document to remove first.")
+            try:
+                name = web.remove_document(doc_id, key_id_of(request))
+            except AssistantError as e:
+                return (*library_text(cid, request), str(e))
+            return (*library_text(cid, request), f"Removed {name}.")
 
         def turn_outputs(view: TurnView, history: list[dict], cid: str | None):
             audio = view.take_audio()
@@ -253,7 +403,7 @@ def build_app(assistant: Any) -> Any:
                     usage_meter(view.usage) if view.usage else gr.skip(), wav_bytes(audio) if audio else gr.skip())
 
         def chat(message: Any, history: list[dict], cid: str | None, voice: bool, temp: float, tokens: float,
-                 choice: str, request: gr.Request):
+                 choice: str, where: str, request: gr.Request):
             text, paths = (message.get("text", ""), list(message.get("files") or [])) if isinstance(message, dict) \
                 else (message or "", [])
             text = (text or "").strip()
@@ -270,9 +420,23 @@ def build_app(assistant: Any) -> Any:
             view.status = "Transcribing…" if audio else "Reading the attachments…" if files else "Thinking…"
             yield None, history + view.messages(), cid, view.status, gr.skip(), gr.skip()
             cancel = web.begin(request.session_hash or "")
-            user_input = UserInput(text, audio=audio, images=images, files=files, speak=bool(voice),
+            if files:  # ingested and claimed first, so the turn's scope holds them
+                where = LIBRARY if where == LIBRARY else CONVERSATION
+                if cid is None and where == CONVERSATION:
+                    cid = web.start(text or files[0].name, key_id)
+                try:
+                    for event in web.attach(files, key_id, cid, where):
+                        view.feed(event)
+                        yield None, history + view.messages(), cid, view.status, gr.skip(), gr.skip()
+                except AssistantError as e:
+                    view.feed(Error(str(e)))
+                    view.feed(Done(cid or "", "", "", "error"))
+                    yield None, *turn_outputs(view, history, cid)
+                    return
+            user_input = UserInput(text, audio=audio, images=images, speak=bool(voice),
                                    model=assistant.models.role(choice))
-            events = assistant.turn(cid, user_input, params=web.params(temp, tokens), cancel=cancel)
+            events = assistant.turn(cid, user_input, params=web.params(temp, tokens), cancel=cancel,
+                                    scope=web.scope(key_id, cid))
             for view in web.run(view, events, cid, key_id):
                 yield None, *turn_outputs(view, history, cid)
 
@@ -282,7 +446,8 @@ def build_app(assistant: Any) -> Any:
                 web.check(cid, key_id)
             cancel = web.begin(request.session_hash or "")
             view = TurnView(question=message)
-            for view in web.run(view, assistant.turn(cid, (message or "").strip(), cancel=cancel), cid, key_id):
+            events = assistant.turn(cid, (message or "").strip(), cancel=cancel, scope=web.scope(key_id, cid))
+            for view in web.run(view, events, cid, key_id):
                 yield view.messages()[-1]["content"] if view.answer or view.finish_reason else "", \
                     view.conversation_id or cid
 
@@ -296,7 +461,8 @@ def build_app(assistant: Any) -> Any:
             history = history[:last_user + 1]
             cancel = web.begin(request.session_hash or "")
             view = TurnView(resolve_artifact=web.resolve_artifact)
-            events = assistant.regenerate(cid, params=web.params(temp, tokens), cancel=cancel)
+            events = assistant.regenerate(cid, params=web.params(temp, tokens), cancel=cancel,
+                                          scope=web.scope(key_id_of(request), cid))
             for view in web.run(view, events, cid, key_id_of(request)):
                 yield turn_outputs(view, history, cid)
 
@@ -318,7 +484,7 @@ def build_app(assistant: Any) -> Any:
             view = TurnView(question=str(edit_data.value), resolve_artifact=web.resolve_artifact)
             cancel = web.begin(request.session_hash or "")
             events = assistant.edit(cid, users[n].id, str(edit_data.value), params=web.params(temp, tokens),
-                                    cancel=cancel)
+                                    cancel=cancel, scope=web.scope(key_id_of(request), cid))
             for view in web.run(view, events, cid, key_id_of(request)):
                 yield turn_outputs(view, before, cid)
 
@@ -353,8 +519,7 @@ def build_app(assistant: Any) -> Any:
         def delete_conversation(cid: str | None, query: str, request: gr.Request):
             if not cid:
                 return gr.skip(), gr.skip(), gr.skip(), gr.skip(), "No conversation is open."
-            web.check(cid, key_id_of(request))
-            assistant.conversations.delete(cid)
+            web.delete(cid, key_id_of(request))
             radio, _ = sidebar(None, query, request)
             return radio, [], None, "", "Deleted."
 
@@ -398,14 +563,15 @@ def build_app(assistant: Any) -> Any:
             return cid or ""
 
         # -- wiring -----------------------------------------------------------------------------
-        settings = [speak, temperature, max_tokens, model]
+        settings = [speak, temperature, max_tokens, model, attach_to]
         shown = [chatbot, conversation, status, usage, player]
         refresh_sidebar = dict(fn=sidebar, inputs=[conversation, search], outputs=[past, title_box], api_name=False,
                                queue=False)
+        refresh_library = dict(fn=library_text, inputs=[conversation], outputs=[library, doomed], api_name=False)
         submitted = box.submit(chat, [box, chatbot, conversation, *settings], [box, *shown], api_name="chat",
                                concurrency_limit=4)
         submitted.then(**refresh_sidebar).then(branch_text, [conversation], branch_label, api_name=False) \
-            .then(library_text, None, library, api_name=False)
+            .then(**refresh_library)
         stop.click(stop_answer, None, None, api_name="stop", queue=False)
         again.click(regenerate, [conversation, temperature, max_tokens], [chatbot, conversation, status, usage, player],
                     api_name="regenerate").then(branch_text, [conversation], branch_label, api_name=False)
@@ -414,17 +580,19 @@ def build_app(assistant: Any) -> Any:
         older.click(previous_branch, [conversation], [chatbot, branch_label, status], api_name=False)
         newer.click(next_branch, [conversation], [chatbot, branch_label, status], api_name=False)
         new.click(new_chat, None, [chatbot, conversation, status, title_box, exported], api_name="new_chat") \
-            .then(**refresh_sidebar)
+            .then(**refresh_sidebar).then(**refresh_library)
         search.change(**refresh_sidebar)
         speak.change(lambda on: gr.update(visible=on), speak, player, api_name=False, queue=False)
         past.input(open_conversation, [past], [chatbot, conversation, title_box, status],
-                   api_name=False).then(branch_text, [conversation], branch_label, api_name=False)
+                   api_name=False).then(branch_text, [conversation], branch_label, api_name=False) \
+            .then(**refresh_library)
         rename.click(rename_conversation, [conversation, title_box, search], [past, title_box, status], api_name=False)
         delete.click(delete_conversation, [conversation, search], [past, chatbot, conversation, title_box, status],
-                     api_name=False)
+                     api_name=False).then(**refresh_library)
+        remove_doc.click(remove_document, [doomed, conversation], [library, doomed, status], api_name=False)
         export_md.click(export_markdown, [conversation], [exported, status], api_name=False)
         export_json.click(export_json_file, [conversation], [exported, status], api_name=False)
-        app.load(**refresh_sidebar).then(library_text, None, library, api_name=False)
+        app.load(**refresh_sidebar).then(**refresh_library)
 
         api_in = gr.Textbox(visible=False)
         api_out = gr.Textbox(visible=False)

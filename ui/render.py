@@ -236,15 +236,24 @@ def conversation_label(c: Any) -> str:
     return (c.title or "New chat").strip()[:60] or "New chat"
 
 
-def library_markdown(documents: list[dict], *, available: bool = True) -> str:
-    """The document library, or what to do when it is empty or unavailable."""
+def document_label(d: dict) -> str:
+    """A library record as one line: its file name, size in chunks, and whether it is read-only."""
+    name = d.get("file_name") or d.get("doc") or d.get("name") or d.get("id") or d.get("doc_id") or "?"
+    extra = f" · {d['num_chunks']} chunks" if d.get("num_chunks") else ""
+    return f"{name}{extra}" + (" · shared, read-only" if d.get("shared") else "")
+
+
+def library_markdown(documents: list[dict], *, available: bool = True, conversation: Iterable[dict] = ()) -> str:
+    """The caller's documents — this conversation's (searched only in it), then the library's (searched
+    in every conversation) — or what to do when there are none or documents are unavailable."""
     if not available:
         return "_Documents are not part of this build: run `make setup`._"
-    if not documents:
-        return "_The library is empty: attach a PDF, DOCX, MD, TXT, HTML file or a picture to a message._"
-    lines = []
-    for d in documents:
-        name = d.get("doc") or d.get("name") or d.get("id") or "?"
-        extra = f" · {d['num_chunks']} chunks" if d.get("num_chunks") else ""
-        lines.append(f"- {name}{extra}")
-    return "\n".join(lines)
+    conversation = list(conversation)
+    if not documents and not conversation:
+        return ("_The library is empty: attach a PDF, DOCX, MD, TXT, HTML file or a picture to a message, "
+                "for this conversation or for the library (the choice under the chat)._")
+    parts = []
+    if conversation:
+        parts.append("**This conversation**\n\n" + "\n".join(f"- {document_label(d)}" for d in conversation))
+    parts.append("**Library**\n\n" + ("\n".join(f"- {document_label(d)}" for d in documents) or "_empty_"))
+    return "\n\n".join(parts)

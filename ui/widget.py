@@ -17,6 +17,8 @@ Design note — one renderer, two displays, two backends:
     embedded index has one owner process); `RemoteBackend` POSTs to /api/turns and parses the
     server-sent events back into the same event classes, so nothing above it knows which one runs.
     Refusals (401, 404, 429, no server) become an `Error` event with the fix, like every other failure.
+    Documents: over a server a turn searches only what the key may see (the server's rule, as in the
+    REST API); in process the notebook is the local single user and searches the whole library.
   * `TurnResult.add(event)` folds the stream into one record (`chat.last`): text, sources, tool steps,
     artifacts resolved to files on this machine, verdicts, usage, spoken audio.
   * `render_html` / `render_text` draw a TurnResult; the same HTML feeds both displays: the widget's
