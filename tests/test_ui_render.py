@@ -110,3 +110,7 @@ def test_library_states():
     assert "empty" in library_markdown([])
     assert "not part of this build" in library_markdown([], available=False)
     assert "report.pdf" in library_markdown([{"doc": "report.pdf", "num_chunks": 3}])
+    shown = library_markdown([{"file_name": "handbook.md", "shared": True}], conversation=[{"file_name": "trip.txt"}])
+    assert shown.index("This conversation") < shown.index("trip.txt") < shown.index("Library") < shown.index("handbook")
+    assert "handbook.md · shared, read-only" in shown
+    assert "**This conversation**" not in library_markdown([{"file_name": "a.pdf"}])
