@@ -236,7 +236,8 @@ class AgentLoop:
                     else:
                         seen_calls.add(key)
                         result = by_name[call.name](call.arguments, ctx)  # ToolUnavailable (ours) propagates
-                    yield ToolCallFinished(call.id, call.name, result.ok, result.short(), result.artifacts)
+                    yield ToolCallFinished(call.id, call.name, result.ok, result.short(), result.artifacts,
+                                           skipped=result.text is REPEATED_CALL)
                     if result.text is REPEATED_CALL:  # our own instruction, not tool output: nothing to screen
                         observed, verdict = REPEATED_CALL, None
                     else:
@@ -246,7 +247,8 @@ class AgentLoop:
                         yield verdict
                     steps.append(result_message(call.name, observed, call.id))
                     turn.steps.append({"name": call.name, "arguments": call.arguments, "ok": result.ok,
-                                       "summary": result.short(), "artifacts": list(result.artifacts)})
+                                       "summary": result.short(), "artifacts": list(result.artifacts),
+                                       **({"skipped": True} if result.text is REPEATED_CALL else {})})
             elif repairs_left > 0:
                 repairs_left -= 1
                 bad = reply.malformed[0]

@@ -68,6 +68,7 @@ class ToolCallFinished(TurnEvent):
     ok: bool  # False when the tool reported an error (fed back to the model as an observation)
     summary: str  # short result for display
     artifacts: tuple[str, ...] = ()  # ids/paths of files the tool produced
+    skipped: bool = False  # not run: the model repeated a call it already made this turn (not a failure)
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,7 @@ def test_repeated_call_is_not_rerun_and_the_last_call_asks_for_the_answer(tmp_pa
     events = list(orch.run_turn(None, "2+3"))
     finished = [e for e in events if isinstance(e, ToolCallFinished)]
     assert [f.ok for f in finished] == [True, False] and add.calls == [(2, 3)]
+    assert [f.skipped for f in finished] == [False, True]  # shown as a repeat, not as a failed run
     assert "already made exactly this call" in engine.prompts[2][-2]["content"]
     assert engine.prompts[2][-1]["role"] == "system" and "plain text" in engine.prompts[2][-1]["content"]
     assert events[-1].text == "5."

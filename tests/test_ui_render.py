@@ -57,6 +57,11 @@ def test_tool_step_panel_shows_code_output_errors_and_the_plot(tmp_path):
     view.feed(ToolCallFinished("call2", "python", False, "Traceback\nZeroDivisionError"))
     failed = view.messages()[3]
     assert "(failed)" in failed["metadata"]["title"] and "ZeroDivisionError" in failed["content"]
+    view.feed(ToolCallStarted("call3", "python", {"code": "1/0"}))
+    view.feed(ToolCallFinished("call3", "python", False, "same call as before, not run again", skipped=True))
+    repeated = view.messages()[4]
+    assert "(repeated, not run)" in repeated["metadata"]["title"] and "(failed)" not in repeated["metadata"]["title"]
+    assert "**Note:**" in repeated["content"]
 
 
 def test_safety_notices_say_what_and_why():

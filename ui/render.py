@@ -79,10 +79,10 @@ def tool_panel(started: ToolCallStarted, finished: ToolCallFinished | None = Non
     if args:
         parts.append("\n".join(f"- **{k}**: `{v}`" for k, v in args.items()))
     if finished is not None:
-        label = "Output" if finished.ok else "Error"
+        label = "Note" if finished.skipped else "Output" if finished.ok else "Error"
         summary = finished.summary.strip() or ("done" if finished.ok else "failed")
         parts.append(f"**{label}**\n\n```text\n{summary}\n```" if "\n" in summary else f"**{label}:** {summary}")
-    state = "" if finished is None else "" if finished.ok else " (failed)"
+    state = "" if finished is None or finished.ok else " (repeated, not run)" if finished.skipped else " (failed)"
     title = f"{_tool_title(started.name)}{state}"
     return {"role": "assistant", "content": "\n\n".join(parts) or "…",
             "metadata": {"title": title, "status": "pending" if finished is None else "done", "id": started.call_id}}
@@ -151,7 +151,7 @@ class TurnView:
                 path = self.resolve_artifact(ref)
                 if path is not None:
                     self._steps.append(artifact_message(path))
-            self.status = f"{event.name}: {'ok' if event.ok else 'failed'}"
+            self.status = f"{event.name}: {'ok' if event.ok else 'repeated, not run' if event.skipped else 'failed'}"
         elif isinstance(event, Sources):
             self._sources = format_sources(event.sources)
         elif isinstance(event, SafetyVerdict):

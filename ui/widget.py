@@ -282,6 +282,7 @@ class ToolStep:
     ok: bool | None = None  # None while the tool runs
     summary: str = ""  # its short result
     artifacts: tuple[str, ...] = ()  # ids/paths as the tool reported them
+    skipped: bool = False  # not run: the model repeated a call it already made (not a failure)
 
 
 @dataclass
@@ -322,6 +323,7 @@ class TurnResult:
                 step = ToolStep(event.call_id, event.name, {})
                 self.tool_steps.append(step)
             step.ok, step.summary, step.artifacts = event.ok, event.summary, tuple(event.artifacts)
+            step.skipped = event.skipped
             found = [resolve(ref) for ref in event.artifacts]
             self.artifacts += [p for p in found if p is not None and p not in self.artifacts]
         elif isinstance(event, Sources):
@@ -381,7 +383,7 @@ def source_line(source: Source) -> str:
 
 
 def _step_title(step: ToolStep) -> str:
-    mark = "…" if step.ok is None else ("✓" if step.ok else "✗")
+    mark = "…" if step.ok is None else "✓" if step.ok else "↺" if step.skipped else "✗"
     return f"{step.name} {mark} {step.summary}".rstrip()
 
 
