@@ -180,6 +180,37 @@ def test_switch_rename_and_delete_conversations(browser, served):
     context.close()
 
 
+def test_regenerate_then_switch_between_the_two_versions(browser, served):
+    assistant, base = served
+    cid = assistant.conversations.start([{"role": "user", "content": "Name a fruit that is yellow."},
+                                         {"role": "assistant", "content": "Seeded answer: a quince from Delta."}],
+                                        title="Delta versions")
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(base + "/")
+    page.locator("#sidebar").get_by_text("Delta versions").click()
+    page.wait_for_function("() => document.querySelector('#chat').innerText.includes('quince from Delta')")
+    assert not page.locator("#branch-prev").is_visible() and not page.locator("#branch-next").is_visible()
+    page.click("#regenerate")
+    wait_done(page)
+    page.wait_for_function("() => document.querySelector('#branch').innerText.includes('version 2/2')")
+    assert "quince from Delta" not in page.inner_text("#chat")  # the new answer replaced the old on screen
+    new_answer = stored_answer(assistant, cid).content
+    assert new_answer and "quince from Delta" not in new_answer
+    page.click("#branch-prev")
+    page.wait_for_function("() => document.querySelector('#branch').innerText.includes('version 1/2')")
+    page.wait_for_function("() => document.querySelector('#chat').innerText.includes('quince from Delta')")
+    assert stored_answer(assistant, cid).content == "Seeded answer: a quince from Delta."  # the store switched too
+    page.click("#branch-next")
+    page.wait_for_function("() => document.querySelector('#branch').innerText.includes('version 2/2')")
+    assert stored_answer(assistant, cid).content == new_answer
+    page.click("#new-chat")  # a fresh conversation has one version of everything: no arrows
+    page.wait_for_function("() => !document.querySelector('#branch').innerText.includes('version')")
+    assert not page.locator("#branch-prev").is_visible()
+    context.close()
+
+
 # 5 -------------------------------------------------------------------------------------------------
 def test_pdf_upload_is_cited_by_page(page, served, tmp_path):
     import fitz

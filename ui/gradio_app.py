@@ -351,9 +351,10 @@ def build_app(assistant: Any) -> Any:
         with gr.Row(elem_id="controls"):
             stop = gr.Button("■ Stop", elem_id="stop", variant="stop", size="sm")
             again = gr.Button("↻ Regenerate", elem_id="regenerate", size="sm")
-            older = gr.Button("◀", elem_id="branch-prev", size="sm", min_width=40)
+            # shown only while the open conversation has another version of an answer (branch_controls)
+            older = gr.Button("◀", elem_id="branch-prev", size="sm", min_width=40, visible=False)
             branch_label = gr.Markdown("", elem_id="branch")
-            newer = gr.Button("▶", elem_id="branch-next", size="sm", min_width=40)
+            newer = gr.Button("▶", elem_id="branch-next", size="sm", min_width=40, visible=False)
             speak = gr.Checkbox(label="Voice answers", value=bool(assistant.config.speech.speak_answers),
                                 elem_id="speak")
             attach_to = gr.Radio(choices=[("Files: this chat", CONVERSATION), ("Files: library", LIBRARY)],
@@ -536,12 +537,12 @@ def build_app(assistant: Any) -> Any:
         def switch_branch(cid: str | None, step: int, request: gr.Request):
             message, position, count = web.branch(cid)
             if message is None:
-                return gr.skip(), gr.skip(), "There are no other versions of this answer."
+                return gr.skip(), gr.skip(), gr.skip(), gr.skip(), "There are no other versions of this answer."
             web.check(cid, key_id_of(request))
             siblings = assistant.conversations.siblings(message.id)
             target = siblings[(position - 1 + step) % count]
             assistant.conversations.switch(cid, target.id)
-            return web.history(cid), branch_text(cid), ""
+            return web.history(cid), *branch_controls(cid), ""
 
         def previous_branch(cid: str | None, request: gr.Request):
             return switch_branch(cid, -1, request)
@@ -555,9 +556,11 @@ def build_app(assistant: Any) -> Any:
         def export_json_file(cid: str | None, request: gr.Request):
             return export(cid, "json", request)
 
-        def branch_text(cid: str | None) -> str:
+        def branch_controls(cid: str | None) -> tuple[str, Any, Any]:
+            """'version i/n' and the ◀ ▶ buttons, shown only when an answer has other versions."""
             _, position, count = web.branch(cid)
-            return f"version {position}/{count}" if count > 1 else ""
+            shown = gr.update(visible=count > 1)
+            return (f"version {position}/{count}" if count > 1 else ""), shown, shown
 
         def current(cid: str | None):
             return cid or ""
@@ -567,28 +570,31 @@ def build_app(assistant: Any) -> Any:
         shown = [chatbot, conversation, status, usage, player]
         refresh_sidebar = dict(fn=sidebar, inputs=[conversation, search], outputs=[past, title_box], api_name=False,
                                queue=False)
+        branch_outputs = [branch_label, older, newer]
+        refresh_branch = dict(fn=branch_controls, inputs=[conversation], outputs=branch_outputs, api_name=False,
+                              queue=False)
         refresh_library = dict(fn=library_text, inputs=[conversation], outputs=[library, doomed], api_name=False)
         submitted = box.submit(chat, [box, chatbot, conversation, *settings], [box, *shown], api_name="chat",
                                concurrency_limit=4)
-        submitted.then(**refresh_sidebar).then(branch_text, [conversation], branch_label, api_name=False) \
+        submitted.then(**refresh_sidebar).then(**refresh_branch) \
             .then(**refresh_library)
         stop.click(stop_answer, None, None, api_name="stop", queue=False)
         again.click(regenerate, [conversation, temperature, max_tokens], [chatbot, conversation, status, usage, player],
-                    api_name="regenerate").then(branch_text, [conversation], branch_label, api_name=False)
+                    api_name="regenerate").then(**refresh_branch)
         chatbot.edit(edit, [conversation, temperature, max_tokens], [chatbot, conversation, status, usage, player],
-                     api_name=False).then(branch_text, [conversation], branch_label, api_name=False)
-        older.click(previous_branch, [conversation], [chatbot, branch_label, status], api_name=False)
-        newer.click(next_branch, [conversation], [chatbot, branch_label, status], api_name=False)
+                     api_name=False).then(**refresh_branch)
+        older.click(previous_branch, [conversation], [chatbot, *branch_outputs, status], api_name=False)
+        newer.click(next_branch, [conversation], [chatbot, *branch_outputs, status], api_name=False)
         new.click(new_chat, None, [chatbot, conversation, status, title_box, exported], api_name="new_chat") \
-            .then(**refresh_sidebar).then(**refresh_library)
+            .then(**refresh_sidebar).then(**refresh_library).then(**refresh_branch)
         search.change(**refresh_sidebar)
         speak.change(lambda on: gr.update(visible=on), speak, player, api_name=False, queue=False)
         past.input(open_conversation, [past], [chatbot, conversation, title_box, status],
-                   api_name=False).then(branch_text, [conversation], branch_label, api_name=False) \
+                   api_name=False).then(**refresh_branch) \
             .then(**refresh_library)
         rename.click(rename_conversation, [conversation, title_box, search], [past, title_box, status], api_name=False)
         delete.click(delete_conversation, [conversation, search], [past, chatbot, conversation, title_box, status],
-                     api_name=False).then(**refresh_library)
+                     api_name=False).then(**refresh_library).then(**refresh_branch)
         remove_doc.click(remove_document, [doomed, conversation], [library, doomed, status], api_name=False)
         export_md.click(export_markdown, [conversation], [exported, status], api_name=False)
         export_json.click(export_json_file, [conversation], [exported, status], api_name=False)
