@@ -86,6 +86,22 @@ def test_plan_turns_speculation_off_under_load_and_respects_the_budget_and_limit
     assert [len(d) for _, d in speculator.plan([(_candidate(), 3)], 1, 1, budget=100)] == [3]
 
 
+def test_step_cost_interpolates_extrapolates_and_forgets():
+    from assistant.engine.speculate import PRIOR_ROW_COST, STALE_STEPS, StepCost
+
+    cost = StepCost()
+    assert cost.estimate(3) == pytest.approx(1 + 2 * PRIOR_ROW_COST)  # nothing measured: the prior
+    cost.observe(2, 0.10)
+    assert cost.estimate(1) == pytest.approx(0.10 / (1 + PRIOR_ROW_COST))  # below: scaled by the prior
+    assert cost.estimate(4) == pytest.approx(0.10 + 2 * 0.10 * PRIOR_ROW_COST / (1 + PRIOR_ROW_COST))
+    cost.observe(4, 0.30)
+    assert cost.estimate(3) == pytest.approx(0.20)  # between: interpolated
+    assert cost.estimate(8) == pytest.approx(0.30 + 4 * 0.10)  # beyond: the measured slope
+    for _ in range(STALE_STEPS + 1):
+        cost.observe(1, 0.05)
+    assert cost.estimate(4) == pytest.approx(0.05 + 3 * 0.05 * PRIOR_ROW_COST)  # 2 and 4 are stale: explored again
+
+
 def test_a_sequence_that_does_not_speculate_keeps_scoring_its_drafts():
     speculator = Speculator()
     _cost(speculator, lambda rows: float(rows))  # nothing pays: drafts are only scored ("shadow")

@@ -27,9 +27,10 @@ NOTE — how it works and how it decides (engine.speculation = "prompt_lookup", 
     tokens plain decoding produced ("shadow" scoring, free), so a sequence whose speculation is off
     keeps measuring what it would gain and turns it back on when its text starts to repeat;
   * cost: `StepCost` measures the step time for each row count R (steps without prefill; an EMA per R,
-    forgotten after STALE_STEPS steps). An unmeasured R is interpolated between measured neighbours,
-    or scaled from the nearest one by an optimistic prior (PRIOR_ROW_COST), so it gets tried and
-    measured once; the estimate then replaces the guess;
+    forgotten after STALE_STEPS steps, so a changed machine load is noticed). An unmeasured R is
+    interpolated between measured neighbours, or extrapolated beyond them along the measured slope
+    (at least PRIOR_ROW_COST of a step per row, an optimistic prior, so that a row count that might
+    pay gets tried and measured once; the measurement then replaces the guess);
   * choice: the step already holds R rows that will produce G tokens (one per sequence that samples).
     Draft i of sequence s is worth alpha_s^i expected tokens. All candidate drafts are sorted by that
     worth and the engine keeps the prefix of j drafts that maximises (G + their worth) / t(R + j), the
@@ -144,20 +145,28 @@ class StepCost:
         self.updated[num_rows] = self.num_steps
 
     def estimate(self, num_rows: int) -> float:
-        """Seconds (or, with nothing measured yet, 1-row-step units) for a step of num_rows rows."""
+        """Seconds (or, with nothing measured yet, 1-row-step units) for a step of num_rows rows:
+        measured, else interpolated between measured row counts; beyond the largest, extrapolated along
+        the measured slope (at least the prior's); below the smallest, scaled by the prior."""
         fresh = sorted(r for r in self.seconds if self._fresh(r))
         if num_rows in fresh:
             return self.seconds[num_rows]
+        if not fresh:
+            return prior_cost(num_rows)
         below = [r for r in fresh if r < num_rows]
         above = [r for r in fresh if r > num_rows]
+        t = self.seconds
         if below and above:
             lo, hi = below[-1], above[0]
             w = (num_rows - lo) / (hi - lo)
-            return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
-        if not fresh:
-            return prior_cost(num_rows)
-        near = below[-1] if below else above[0]
-        return self.seconds[near] * prior_cost(num_rows) / prior_cost(near)
+            return (1 - w) * t[lo] + w * t[hi]
+        if above:
+            return t[above[0]] * prior_cost(num_rows) / prior_cost(above[0])
+        hi = below[-1]
+        slope = t[fresh[0]] * PRIOR_ROW_COST / prior_cost(fresh[0])  # the prior's, in seconds per row
+        if len(below) > 1:
+            slope = max(slope, (t[hi] - t[below[-2]]) / (hi - below[-2]))
+        return t[hi] + slope * (num_rows - hi)
 
     def _fresh(self, num_rows: int) -> bool:
         return self.num_steps - self.updated.get(num_rows, -STALE_STEPS - 1) <= STALE_STEPS
