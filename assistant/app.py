@@ -284,9 +284,12 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
         for close in reversed(closers):
             close()
         raise
-    return Assistant(config, orchestrator, Conversations(store), documents, Models(config, router),
-                     keys=Keys(store.db, tuple(config.server.tiers)), owners=Owners(store.db),
-                     usage=UsageLedger(store.db), _closers=closers, safety=safety, media=media)
+    assistant = Assistant(config, orchestrator, Conversations(store), documents, Models(config, router),
+                          keys=Keys(store.db, tuple(config.server.tiers)), owners=Owners(store.db),
+                          usage=UsageLedger(store.db), _closers=closers, safety=safety, media=media)
+    if safety is not None:  # the output guard redacts every fixed text the model is shown, not only the system prompt
+        safety.protect(assistant.prompt_texts())
+    return assistant
 
 
 def _safety_layer(config: AssistantConfig, store: Store) -> Any:

@@ -49,6 +49,10 @@ class SafetyLayer:
         return cls(detectors if detectors is not None else real_detectors(s.head_dir or None), audit,
                    policy=s.policy, policies_dir=s.policies_dir or None, protected=[config.system_prompt])
 
+    def protect(self, texts: Sequence[str]) -> None:
+        """Treat these fixed texts like the system prompt: an answer repeating them is redacted."""
+        self.leaks.add(texts)
+
     # -- seams ----------------------------------------------------------------------------------
     @property
     def input_guard(self) -> SafetyGuard:

@@ -71,6 +71,11 @@ class LeakMatcher:
 
     def __init__(self, protected: Iterable[str]) -> None:
         self.shingles: set[tuple[str, ...]] = set()
+        self.add(protected)
+
+    def add(self, protected: Iterable[str]) -> None:
+        """Protect more texts (the tools' descriptions and the turn's own instructions, known only
+        once the assistant is built)."""
         for text in protected:
             words = _words(text)
             self.shingles.update(tuple(w for w, _, _ in words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1))
