@@ -191,7 +191,8 @@ def test_scheduler_verifies_drafts_and_rolls_back_rejected_ones():
 
 
 def test_drafts_only_take_what_the_budget_leaves_after_prefill():
-    scheduler = Scheduler(SchedulerConfig(max_batched_tokens=6, max_prefill_chunk=4), BlockManager(64, BS), Speculator())
+    config = SchedulerConfig(max_batched_tokens=6, max_prefill_chunk=4)
+    scheduler = Scheduler(config, BlockManager(64, BS), Speculator())
     decoding = Request([1, 2, 3, 4, 1, 2, 3], SamplingParams(max_tokens=40), max_len=1000)
     scheduler.add(decoding)
     out = scheduler.schedule()
@@ -448,7 +449,8 @@ def test_real_model_greedy_answer_is_identical_with_and_without_speculation(mode
     on = LocalEngine(loaded, config.engine)
     off = LocalEngine(loaded, replace(config.engine, speculation="off"))
     try:
-        messages = [{"role": "system", "content": "Answer from the passages, quoting them, and cite [n].\n\n" + PASSAGES},
+        system = "Answer from the passages, quoting them, and cite [n].\n\n" + PASSAGES
+        messages = [{"role": "system", "content": system},
                     {"role": "user", "content": "Where does the Rhine begin and where does it end? "
                                                 "Which is its biggest city?"}]
         params = SamplingParams(max_tokens=96)

@@ -279,7 +279,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         num_drafts = sum(len(r.draft_ids) for r, _ in scheduled)  # speculative rows (speculate.py)
         if num_prefill == 0:
             if num_drafts == 0:  # a verify step is no plain decode step: the speculator measures those
-                self._decode_step_s = seconds if not self._decode_step_s else (1 - EMA) * self._decode_step_s + EMA * seconds
+                old = self._decode_step_s
+                self._decode_step_s = seconds if not old else (1 - EMA) * old + EMA * seconds
             return
         if not self._decode_step_s or len(scheduled) == 1:
             return  # nothing decoding alongside: no stream to protect

@@ -221,7 +221,8 @@ class Transformer:
                     if ops is not None and seq_attend[j] is not None:
                         out[span] = ops.attend(q[span], kv.k[i], kv.v[i], *seq_attend[j])
                     else:
-                        out[span] = attention(q[span], *kv.read(i, s.kv_slots), rowwise=s.num_logits > 1)  # (ctx, KVH, hd) each
+                        k, v = kv.read(i, s.kv_slots)  # (ctx, KVH, hd) each
+                        out[span] = attention(q[span], k, v, rowwise=s.num_logits > 1)
             h = h + layer["o"](out.reshape(-1, q_size), rows)
             gate_up = layer["gate_up"](norm(h, layer["mlp_norm"]), rows)
             if ops is not None:
