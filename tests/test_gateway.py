@@ -192,6 +192,8 @@ def test_a_full_queue_is_refused_at_once_with_retry_after(tmp_path):
         for t in (first, queued):
             t.join(timeout=30)
     assert results == {"first": 200, "queued": 200}
+    busy = [r for r in assistant.usage.rows() if r.request_id == refused.headers["x-request-id"]]
+    assert [r.status for r in busy] == ["busy"]  # a refused request has its ledger row too (bench/load.py found it missing)
 
 
 def test_admission_serves_higher_priority_first():
@@ -290,3 +292,41 @@ def test_metrics_expose_latency_histograms_and_requests_by_status(tmp_path):
     assert 'assistant_time_to_first_token_seconds_count{model="qwen2.5-coder-0.5b"} 1.0' in text
     assert 'assistant_inter_token_latency_seconds_count{model="qwen2.5-coder-0.5b"} 2.0' in text
     assert 'assistant_generated_tokens_total{model="qwen2.5-coder-0.5b"} 3.0' in text
+
+
+@pytest.mark.parametrize("path,sent", [
+    (CHAT, {"messages": [USER], "stream": True}),
+    (CHAT, {"model": "assistant", "messages": [USER], "stream": True}),
+    ("/api/turns", {"text": "Hello?"}),
+], ids=["raw", "assistant-model", "turn"])
+def test_a_client_that_left_while_queued_gives_its_slot_back(tmp_path, path, sent):
+    """A request admitted after its client went away (it waited in line, the client gave up) starts no
+    stream anyone reads: its slot must come back and its usage row be written all the same. Found by
+    bench/load.py: 16 such slots stayed taken for good and the server answered nothing more."""
+    import socket
+
+    engine = GatedEngine(num_tokens=3)
+    assistant, _, app = make_app(tmp_path, engine=engine, max_running=1, max_queued=1)
+    admission = app.state.gateway.admission
+    body = json.dumps(sent).encode()
+    with serve_in_thread(app, timeout_s=20) as url:
+        first = threading.Thread(target=lambda: httpx.post(f"{url}{CHAT}", json={"messages": [USER], "stream": True},
+                                                           timeout=30))
+        first.start()
+        deadline = time.monotonic() + 10
+        while engine.calls < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as gone:  # waits in line, then hangs up
+            gone.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            while admission.num_waiting < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert admission.num_waiting == 1
+        engine.open_all()
+        first.join(timeout=30)
+        deadline = time.monotonic() + 30  # a turn starts (safety check, stored question) before it is closed
+        while (admission.num_running or admission.num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (admission.num_running, admission.num_waiting) == (0, 0)
+    assert sorted(r.status for r in assistant.usage.rows()) == ["cancelled", "length"]

@@ -123,15 +123,15 @@ def sse(deltas: Iterator[TokenDelta], shape: Shape, include_usage: bool, ticket:
     usage. A failure after the 200 was sent can only be reported in-band: one `data: {"error": ...}`
     event (OpenAI's shape), then [DONE]."""
     cid, model = shape.cid, shape.model
-    yield chunk(cid, model, {"role": "assistant", "content": ""}, None)
-    if shape.prefix and not shape.forced:
-        yield chunk(cid, model, {"content": shape.prefix}, None)
     splitter = ToolCallSplitter(shape.tool_names) if shape.tool_names and not shape.forced else None
     held: list[str] = []  # a forced call's text, parsed at the end
     last, ended, failed = TokenDelta(""), None, False
     started = time.perf_counter() if started is None else started
     previous = None
-    try:
+    try:  # from the first yield on: a client gone after the first chunk still gets the `finally`
+        yield chunk(cid, model, {"role": "assistant", "content": ""}, None)
+        if shape.prefix and not shape.forced:
+            yield chunk(cid, model, {"content": shape.prefix}, None)
         for last in deltas:
             if last.text and metrics is not None:
                 now = time.perf_counter()

@@ -6,11 +6,15 @@ that iteration but leaves the generator suspended; it is closed only when the ga
 breaks the reference cycle of the cancellation's traceback, seconds or minutes later. Until then the
 engine request keeps decoding for nobody (holding its KV blocks) and nothing is recorded. Closing
 the generator runs its `finally`: the engine request is cancelled and the partial usage recorded.
+A generator that never started (its client left before the first chunk was asked for, e.g. while the
+request waited for a slot) would skip its `finally` on close, and with it the admission slot's return
+and the usage row: it is run to its first yield first, then closed.
 The close runs in the threadpool (it may write to the store), shielded from the cancellation.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any, Iterator
 
@@ -40,6 +44,8 @@ class ClosingStreamingResponse(StreamingResponse):
         if close is None:
             return
         try:
+            if inspect.isgenerator(self._source) and inspect.getgeneratorstate(self._source) == inspect.GEN_CREATED:
+                next(self._source, None)  # never started (see the module docstring): run it to its first yield
             close()
         except ValueError:  # "generator already executing": its own thread is finishing it
             pass
