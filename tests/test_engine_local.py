@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 
 from assistant.config import AssistantConfig
 from assistant.engine.base import SamplingParams
+from assistant.engine.scheduler import RequestStatus
 
 pytestmark = pytest.mark.real
 
@@ -119,6 +121,20 @@ def test_cancel_and_close_free_the_engine(engine):
     assert result, "engine still busy after the stream was closed"
     if hasattr(engine, "blocks"):
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # every KV block is back
+
+
+def test_a_stream_closed_before_its_first_read_is_cancelled(batched):
+    """A server that admits a request after its client left closes the stream unread: the engine
+    must stop that request at once, not decode it to max_tokens for nobody."""
+    stream = batched.generate(MESSAGES, SamplingParams(max_tokens=400, ignore_eos=True))
+    stream.close()
+    request = stream._request
+    deadline = time.monotonic() + 30
+    while request.status != RequestStatus.FINISHED_CANCELLED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert request.status == RequestStatus.FINISHED_CANCELLED
+    assert len(request.output_ids) < 400  # cancelled, not run to the end
+    assert batched.blocks.num_free_blocks == batched.blocks.num_blocks
 
 
 def test_prompt_longer_than_window_is_refused(engine):

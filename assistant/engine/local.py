@@ -93,6 +93,37 @@ def resolve_quantize(quantize: str, device: Any) -> str | None:
     return None if quantize == "none" else quantize
 
 
+class _TokenStream:
+    """The deltas of one request, as an iterator whose close() cancels the request even when it is
+    called before the first read (a generator's `finally` would not run then: a server that gives up
+    on a request it admitted late would leave it decoding to max_tokens for nobody)."""
+
+    def __init__(self, engine: "LocalEngine", request: Request) -> None:
+        self._engine, self._request, self._finished = engine, request, False
+
+    def __iter__(self) -> "_TokenStream":
+        return self
+
+    def __next__(self) -> TokenDelta:
+        if self._finished:
+            raise StopIteration
+        item = self._request.state.out.get()
+        if isinstance(item, Exception):
+            self._finished = True
+            raise item
+        if item.finish_reason:
+            self._finished = True
+        return item
+
+    def close(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine._abandon(self._request)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class LocalEngine(ChatTemplateEncoding, Engine):
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         import torch
@@ -188,22 +219,13 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             raise ValueError(f"seed={params.seed!r} must be an integer.")
 
     def _stream(self, request: Request) -> Iterator[TokenDelta]:
-        finished = False
-        try:
-            while True:
-                item = request.state.out.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                yield item
-                if item.finish_reason:
-                    finished = True
-                    return
-        finally:
-            if not finished:  # the caller stopped reading: free the request's slot within one step
-                request.cancel.set()
-                with self._cond:
-                    self._cond.notify()
+        return _TokenStream(self, request)
+
+    def _abandon(self, request: Request) -> None:
+        """The caller stopped reading: free the request's slot within one step."""
+        request.cancel.set()
+        with self._cond:
+            self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
