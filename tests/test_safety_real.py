@@ -86,5 +86,6 @@ def test_the_head_file_matches_its_card():
     from assistant.safety.head import SafetyHead
 
     head = SafetyHead.load()
-    assert head.featurizer == "minilm-l6-int8" and head.weights.shape == (len(head.classes), 384)
+    assert head.featurizer == "minilm-l6-int8" and head.layers == tuple(head.card["layers"])
+    assert head.weights.shape == (len(head.classes), 384 * len(head.layers))  # one 384-d block per pooled layer
     assert head.card["trained_on"]["file"] == "safety_train.jsonl"

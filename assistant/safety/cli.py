@@ -30,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", default=None, help="head directory (default assistant/safety/models)")
     train.add_argument("--featurizer", default="minilm-l6-int8", choices=("minilm-l6-int8", "minilm-l6"))
+    train.add_argument("--layers", default=None, help="embedder hidden states to pool, comma-separated "
+                       "(0 = embeddings, 6 = last; default: head.DEFAULT_LAYERS, 2,4,6)")
+    train.add_argument("--c", type=float, default=None,
+                       help="inverse regularisation of the logistic regression (default: head.DEFAULT_C)")
     add_common(train)
     train.set_defaults(func=_cmd_train)
     check = sub.add_parser("check", help="classify one text and show every score")
@@ -80,12 +84,19 @@ def _cmd_train(args, config) -> int:
     data = Path(args.data)
     rows = load_rows(data)
     started = time.perf_counter()
-    head, card = train_head(rows, Featurizer(args.featurizer), seed=args.seed)
+    options: dict = {} if args.c is None else {"c": args.c}
+    if args.layers:
+        try:
+            options["layers"] = tuple(int(k) for k in args.layers.split(","))
+        except ValueError:
+            print(f"Error: --layers {args.layers!r}: give hidden-state numbers such as 2,4,6.", file=sys.stderr)
+            return 2
+    head, card = train_head(rows, Featurizer(args.featurizer), seed=args.seed, **options)
     card["trained_on"] = {"file": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "rows": len(rows)}
     path = head.save(Path(args.out) if args.out else HEAD_DIR, card=card)
     saved = json.loads(path.with_suffix(".json").read_text())
     print(f"trained on {card['num_rows']} rows of {data.name} in {time.perf_counter() - started:.1f} s "
-          f"(classes: {', '.join(head.classes)})")
+          f"(classes: {', '.join(head.classes)}; layers {','.join(map(str, head.layers))}, C {card['C']})")
     for t, m in card["cv5_by_threshold"].items():
         print(f"  5-fold CV, head alone, threshold {t}: catch {m['catch_rate']:.1%}, false positives "
               f"{m['false_positive_rate']:.1%}")

@@ -161,7 +161,7 @@ class HeadDetector(_Lazy):
 
     def score(self, text: str) -> list[Score]:
         head, featurizer = self.model()
-        probs = head.probabilities(featurizer.embed([text]))[0]  # (C,)
+        probs = head.probabilities(featurizer.embed([text], head.layers))[0]  # (C,)
         return [Score(c, float(p), self.name) for c, p in zip(head.classes, probs) if c != "benign"]
 
 
