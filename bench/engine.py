@@ -280,8 +280,10 @@ def main() -> None:
     if args.build_llamacpp:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python"], check=True)
     new_tokens = 32 if args.quick else 64
+    # speculation off: these figures are the plain decode path (a delta is one token); prompt-lookup
+    # speculation has its own bench, bench/speculation.py
     config = AssistantConfig.load(overrides={"engine.model": args.model, "engine.num_threads": args.threads,
-                                             "data_dir": args.data_dir})
+                                             "data_dir": args.data_dir, "engine.speculation": "off"})
     loaded = load_model(config)
     hf_model = loaded.model
     engine = LocalEngine(load_model(config), config.engine)
