@@ -249,6 +249,8 @@ class AgentLoop:
                     turn.steps.append({"name": call.name, "arguments": call.arguments, "ok": result.ok,
                                        "summary": result.short(), "artifacts": list(result.artifacts),
                                        **({"skipped": True} if result.text is REPEATED_CALL else {})})
+            elif reply.malformed[0].not_a_call:  # an answer written as a "call" of no tool: ask again without tools
+                offer_tools = False
             elif repairs_left > 0:
                 repairs_left -= 1
                 bad = reply.malformed[0]

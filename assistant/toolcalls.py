@@ -39,6 +39,7 @@ class ToolCall:
 class MalformedCall:
     raw: str  # what the model wrote
     error: str  # why it is not a usable call, written for the model
+    not_a_call: bool = False  # JSON naming no tool with no arguments object: content, not a call attempt
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ def parse_call(raw: str, tool_names: set[str]) -> ToolCall | MalformedCall:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # OpenAI style: arguments as a JSON string
         arguments, _ = loads_lenient(arguments)
+    if not isinstance(arguments, dict) and name not in tool_names:  # {"name": "Paris", "arguments": [...]}
+        return MalformedCall(raw, f"There is no tool named {name!r}; answer in plain text.", not_a_call=True)
     if not isinstance(arguments, dict):
         return MalformedCall(raw, f'The "arguments" of {name} must be a JSON object. Write the call as:\n{CALL_FORMAT}')
     if name not in tool_names:

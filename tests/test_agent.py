@@ -61,6 +61,18 @@ def test_malformed_call_is_repaired_once_with_the_error_as_observation(tmp_path)
     assert events[-1].text == "It is 5." and events[-1].finish_reason == "stop"
 
 
+def test_an_answer_written_as_a_call_of_no_tool_is_asked_again_without_tools(tmp_path):
+    """Seen with the int8 0.5B: 'List five landmarks in Paris' came back as a "call" of a tool named
+    Paris with a list for arguments. That is content, not a call attempt: no repair, tools withdrawn."""
+    content = '<tool_call>{"name": "Paris", "arguments": ["Eiffel Tower", "Louvre"]}</tool_call>'
+    orch, engine = make_orchestrator(tmp_path, content, "1. Eiffel Tower\n2. Louvre", tools=[AddTool()])
+    events = list(orch.run_turn(None, "List two landmarks in Paris."))
+    assert not any(isinstance(e, ToolCallStarted) for e in events)  # nothing shown as a failed tool step
+    assert engine.tools_seen[1] is None and len(engine.prompts) == 2  # asked once more, without tools
+    assert all(m.get("role") != "tool" for m in engine.prompts[1])  # the attempt is not fed back as a step
+    assert events[-1].text == "1. Eiffel Tower\n2. Louvre"
+
+
 def test_second_malformed_call_withdraws_tools_and_still_answers(tmp_path):
     bad = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
     orch, engine = make_orchestrator(tmp_path, bad, bad, "I cannot use tools; 2+3 is 5.", tools=[AddTool()])

@@ -267,11 +267,11 @@ def library(models_dir, tmp_path_factory):
     return data_dir
 
 
-def _config(data_dir: Path, models_dir: Path):
+def _config(data_dir: Path, models_dir: Path, **overrides):
     from assistant.config import AssistantConfig
 
     return AssistantConfig.load(env={}, overrides={"data_dir": str(data_dir), "models_dir": str(models_dir),
-                                                   "engine.max_new_tokens": 96})
+                                                   "engine.max_new_tokens": 96, **overrides})
 
 
 def _execute(cells: list[str], name: str, tmp_path: Path, monkeypatch, env: dict[str, str]):
@@ -343,7 +343,9 @@ def test_notebook_through_a_server(library, models_dir, tmp_path, monkeypatch):
         history = assistant.conversations.history
         return [m.content for c in assistant.conversations.list() for m in history(c.id)].count(QUESTION)
 
-    with build_assistant(_config(library, models_dir)) as assistant:
+    # the manual was ingested by the operator (no key owns it): a key searches it only when the
+    # operator shares the library (server.shared_library; keys see only their own uploads otherwise)
+    with build_assistant(_config(library, models_dir, **{"server.shared_library": True})) as assistant:
         asked_before = questions(assistant)  # the data dir is shared with the in-process notebook
         _, key = assistant.keys.create("notebook", "paid")
         with serve_in_thread(create_app(assistant, web_chat=False)) as base:
