@@ -69,24 +69,27 @@ class Ticket:
                 return
             self._done = True
         g = self.gateway
-        g.admission.release()
-        used = prompt_tokens + completion_tokens
-        tier = self.principal.tier
-        try:
-            if tier is not None and self.decision is not UNLIMITED:
-                g.limiter.settle(self.principal.key_id, tier, self.estimate, used)
-        except Exception:  # the ledger row below still matters more than the bucket
-            log.exception("settling rate limits failed")
-        g.metrics.tokens.labels(self.model).inc(completion_tokens)
-        if g.ledger is not None:
-            from assistant.usage import UsageRecord
-
+        try:  # the row is written before the slot is given back: a free slot means the request is on record
+            used = prompt_tokens + completion_tokens
+            tier = self.principal.tier
             try:
-                g.ledger.record(UsageRecord(self.principal.key_id, self.model, prompt_tokens, cached_tokens,
-                                            completion_tokens, round((time.perf_counter() - self.started) * 1000, 2),
-                                            status, self.request_id))
-            except Exception:
-                log.exception("recording usage failed")
+                if tier is not None and self.decision is not UNLIMITED:
+                    g.limiter.settle(self.principal.key_id, tier, self.estimate, used)
+            except Exception:  # the ledger row below still matters more than the bucket
+                log.exception("settling rate limits failed")
+            g.metrics.tokens.labels(self.model).inc(completion_tokens)
+            if g.ledger is not None:
+                from assistant.usage import UsageRecord
+
+                try:
+                    g.ledger.record(UsageRecord(self.principal.key_id, self.model, prompt_tokens, cached_tokens,
+                                                completion_tokens,
+                                                round((time.perf_counter() - self.started) * 1000, 2),
+                                                status, self.request_id))
+                except Exception:
+                    log.exception("recording usage failed")
+        finally:
+            g.admission.release()
 
 
 class Gateway:
