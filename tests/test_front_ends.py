@@ -93,7 +93,7 @@ def test_every_front_end_stores_the_same_turn(served):
 
 @pytest.fixture
 def keyed(tmp_path):
-    """The real app with the web chat mounted (keys configured: a login), a scripted engine, the in-memory
+    """The real app with the web chat mounted (keys configured: a login), a scripted engine, a SQLite
     store and the real document pipeline (hash embedder); alice and bob each uploaded one document."""
     pytest.importorskip("gradio")
     from fastapi.testclient import TestClient
@@ -107,7 +107,9 @@ def keyed(tmp_path):
     engine = ReadingEngine()
     config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "retrieval.embedder": "hash-64",
                                                      "safety.enabled": False})
-    assistant = build_assistant(config, engine=engine, store=Store("sqlite://"), tools=[])
+    # a SQLite file, as the product uses: the in-memory store is one connection shared by every thread,
+    # where a gradio worker's write could be rolled back by another thread returning that connection
+    assistant = build_assistant(config, engine=engine, store=Store(f"sqlite:///{tmp_path / 'assistant.db'}"), tools=[])
     app = create_app(assistant)
     keys = {name: assistant.keys.create(name, "paid") for name in ("alice", "bob")}
     rest = TestClient(app)
