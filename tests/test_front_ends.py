@@ -14,7 +14,7 @@ import pytest
 
 from assistant.errors import AssistantError
 from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
-from tests.conftest import serve_in_thread
+from tests.conftest import require_module, serve_in_thread
 
 QUESTION = "What is the warranty period of the Zephyr X2?"
 ANSWER = "The warranty period is 7 years [1]."
@@ -23,7 +23,7 @@ ANSWER = "The warranty period is 7 years [1]."
 
 @pytest.fixture
 def served(tmp_path):
-    pytest.importorskip("gradio")
+    require_module("gradio")
     from assistant.server.app import create_app
 
     assistant, engine = make_assistant(tmp_path, *[ANSWER] * 8, retriever=FakeRetriever(MANUAL))
@@ -95,7 +95,7 @@ def test_every_front_end_stores_the_same_turn(served):
 def keyed(tmp_path):
     """The real app with the web chat mounted (keys configured: a login), a scripted engine, a SQLite
     store and the real document pipeline (hash embedder); alice and bob each uploaded one document."""
-    pytest.importorskip("gradio")
+    require_module("gradio")
     from fastapi.testclient import TestClient
 
     from assistant.app import build_assistant

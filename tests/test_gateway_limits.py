@@ -11,7 +11,7 @@ import pytest
 
 from assistant.config import TierConfig
 from assistant.server.limits import MemoryLimiter, _duration, seconds_to_utc_midnight
-from tests.conftest import free_port
+from tests.conftest import free_port, require_module
 
 
 class Clock:
@@ -126,7 +126,7 @@ def test_redis_limits_are_shared_by_replicas_and_atomic(redis_url):
 def test_redis_down_is_an_error_that_says_so():
     from assistant.server.redis_limits import LimiterUnavailable, RedisLimiter
 
-    pytest.importorskip("redis")
+    require_module("redis", "pip install -e '.[gateway]'")
     limiter = RedisLimiter.from_url(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(LimiterUnavailable, match="Redis"):
         limiter.admit("k", TierConfig(rpm=1), 1)
