@@ -334,3 +334,45 @@ def test_prompt_rows_without_vnni_go_through_the_exact_gemm_and_match_int_mm(wei
     x = torch.randn(40, 256)
     rows = RowSplit.from_mask(torch.ones(40, dtype=torch.bool))
     assert torch.equal(exact(x, rows), int_mm(x, rows))
+
+
+def test_a_build_killed_midway_does_not_block_the_next_one(tmp_path, monkeypatch):
+    """torch's `lock` baton outlives a killed build; the next builder must clear it, not wait forever."""
+    import fcntl
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = native.build_dir()
+    out.mkdir(parents=True)
+    (out / "lock").touch()  # what a killed build leaves
+    seen = {}
+
+    def fake_load(name, sources, extra_cflags, build_directory, verbose):
+        seen["dir"], seen["baton_left"] = build_directory, (out / "lock").exists()
+        with open(out / "build.flock") as other:  # the builders' flock is held while torch builds
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert native.build() == "module"
+    assert seen == {"dir": str(out), "baton_left": False}
+
+
+def test_a_live_builder_is_waited_for_then_given_up_on(tmp_path):
+    import fcntl
+
+    with open(tmp_path / "build.flock", "w") as holder, open(tmp_path / "build.flock", "w") as guard:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(TimeoutError, match="delete"):
+            native._hold(guard, tmp_path, wait_s=0.6)
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        native._hold(guard, tmp_path, wait_s=0.6)  # free now: taken at once
+
+
+def test_the_build_directory_follows_the_sources(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = native.build_dir()
+    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-DCHANGED"])
+    assert native.build_dir() != first and native.build_dir().parent == first.parent

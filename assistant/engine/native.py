@@ -28,16 +28,22 @@ The int8 kernels keep the engine's arithmetic exactly (integer dot products, one
 order, built with -ffp-contract=off), so prefill rows through `quantize` + `torch._int_mm` +
 `finish` are bit-identical to decode rows through `linear`, and batching never changes a row.
 
-Built with torch.utils.cpp_extension (g++ and ninja) into ~/.cache/assistant/native, once per source
-version: about a minute on 2 vCPUs. Without AVX-512 VNNI, a compiler, or with ASSISTANT_NATIVE=0, the
+Built with torch.utils.cpp_extension (g++ and ninja) into ~/.cache/assistant/native/<hash of the
+sources and flags>, once per source version: about a minute on 2 vCPUs. torch guards a build with a
+`lock` file that a killed build leaves behind, and the next build then waits for it forever (a CI run
+hung 85 minutes on one). So builders first take an flock on `build.flock` (the kernel drops it when a
+builder dies); whoever holds it knows no build is running and removes a leftover `lock`. Without AVX-512 VNNI, a compiler, or with ASSISTANT_NATIVE=0, the
 engine uses the PyTorch-op path instead (int8.py, model.py) and says why once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import logging
 import os
+import time
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -49,9 +55,17 @@ REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off"]
 
 
+BUILD_WAIT_S = 900.0  # another process building the same sources: wait this long, then use PyTorch ops
+
+
 def build_dir() -> Path:
+    """One directory per version of the sources and flags, so checkouts of different versions never
+    rebuild each other's kernel, and checkouts of the same version share one build."""
+    digest = hashlib.sha256("\0".join(CFLAGS).encode())
+    for path in SOURCES:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "assistant" / "native"
+    return base / "assistant" / "native" / digest.hexdigest()[:16]
 
 
 def unavailable_reason() -> str | None:
@@ -86,7 +100,24 @@ def build(verbose: bool = False) -> ModuleType:
 
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
-    if not any(out.glob("*.so")):
-        print("Building the int8 decode kernel (once, about a minute)...", file=sys.stderr, flush=True)
-    return load(name="assistant_engine_native", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, build_directory=str(out),
-                verbose=verbose)
+    with open(out / "build.flock", "w") as guard:
+        _hold(guard, out)
+        (out / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed build: none is running now
+        if not any(out.glob("*.so")):
+            print("Building the int8 decode kernel (once, about a minute)...", file=sys.stderr, flush=True)
+        return load(name="assistant_engine_native", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                    build_directory=str(out), verbose=verbose)
+
+
+def _hold(guard, out: Path, wait_s: float | None = None) -> None:
+    """Take the builders' flock, waiting up to BUILD_WAIT_S for another live builder."""
+    deadline = time.monotonic() + (BUILD_WAIT_S if wait_s is None else wait_s)
+    while True:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"another process has been building {out} for too long; "
+                                   f"if none is, delete {out} and retry") from None
+            time.sleep(0.5)
