@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 from assistant.citations import SourceLedger
 from assistant.config import AssistantConfig
 from assistant.context import PromptParts, fit_prompt
-from assistant.counting import MAX_ITEMS, count_answer, section_items, supported_items
+from assistant.counting import MAX_ITEMS, count_answer, counted_noun, section_items, supported_items
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.routing import Router
@@ -182,7 +182,7 @@ class AgentLoop:
         history = [m["content"] for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
         context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
         if found is not None and found.count and context:
-            if (yield from self._count(turn, user, emitter)):
+            if (yield from self._count(turn, user, found, emitter)):
                 yield from emitter.finish()
                 return
         steps: list[Message] = []
@@ -264,11 +264,12 @@ class AgentLoop:
                 yield Notice("The model could not write a valid tool call; it answers without tools.")
         yield from emitter.finish()
 
-    def _count(self, turn: TurnState, user: Message, emitter: Emitter) -> Iterator[TurnEvent]:
+    def _count(self, turn: TurnState, user: Message, found: Any, emitter: Emitter) -> Iterator[TurnEvent]:
         """A counting question over the prefetched section, counted in code (assistant/counting.py).
         Returns whether it answered (a section without a list falls back to the ordinary answer)."""
-        passages = turn.ledger.passages
-        items = supported_items(section_items("\n".join(p.text for p in passages)), passages)
+        passages, heading = turn.ledger.passages, str(found.arguments.get("section") or "")
+        listed = section_items("\n".join(p.text for p in passages), counted_noun(user["content"]), heading)
+        items = supported_items(listed, passages)
         if not items or len(items) > MAX_ITEMS:
             return False
         yield from emitter.emit(count_answer(user["content"], items))

@@ -7,19 +7,27 @@ Design note — counting over a whole section:
   questions, three prompt wordings). So a counting question takes its own path, and the counting is
   done in code over the structure of the section the question is about (tools/retrieval.py reads that
   whole section, across pages):
-    1. `section_items` finds the section's list: the most frequent item form among its lines — rows
-       of a table (header and rule rows left out), bullets or numbers, command-line options, or a
-       label line that repeats ("[Return code]", each item being the line after it);
-    2. the count is the number of those items; the answer (`count_answer`) states it and lists the
-       items, each cited with the passage it is on.
-  A section without such a list (the items run through prose) falls back to the ordinary answer
-  with the whole section in context. An item counts only where a passage shown to the model holds it
-  (`supported_items`), which also gives its citation.
+    1. `item_lists` finds the section's lists: runs of table rows (header and rule rows left out),
+       bulleted or numbered items (a line ending in ":" between them starts a new list), command-line
+       options, or a label line that repeats ("[Return code]", each item being the line after it),
+       each with its lead-in (the lines before its first item);
+    2. `section_items` takes the list the question counts, and only one that something names: a
+       lead-in that names the counted noun ("Some subclass rules are implicit:"), a table whose first
+       header names it, an option list for "options"/"flags", or, failing those, the section's
+       heading ("3. Modifiers"). The first version took the section's longest list whatever it was,
+       and on held-out questions counted the wrong list (a feature list for "how many command-line
+       utilities"): 3 of 13 right. A confident wrong count is worse than the model's own answer;
+    3. the answer (`count_answer`) states the count and lists the items, each cited with the passage
+       it is on.
+  A section where nothing names the counted thing, or without a list (the items run through prose),
+  falls back to the ordinary answer with the whole section in context. An item counts only where a
+  passage shown to the model holds it (`supported_items`), which also gives its citation.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Sequence
 
 from assistant.citations import Passage, content_words
@@ -35,47 +43,137 @@ TABLE_RULE = re.compile(r"^\s*\|?[\s:|-]+\|[\s:|-]*$")
 OPTION = re.compile(r"^\s*-{1,2}[A-Za-z0-9]")
 MIN_ITEMS = 2
 MAX_WRAPS = 3  # continuation lines one list item may wrap onto
+LEAD_IN_CHARS = 200
 WRAPPED = re.compile(r"^[a-z0-9/(\[`'\"_<*-]")  # how a wrapped line of an item starts
 
 
-def bullets(lines: Sequence[str]) -> list[str]:
+@dataclass
+class ItemList:
+    """One list in a section: its form, its items, and what introduces it (the lines before its first
+    item, and a table's header row)."""
+
+    form: str  # "table", "bullet", "option" or a repeated label such as "[Return code]"
+    items: list[str]
+    lead_in: str = ""
+    header: str = ""  # a table's first header cell: what each row is ("Compressor name")
+
+
+def bullet_runs(lines: Sequence[str]) -> list[ItemList]:
     """Bulleted or numbered items, each with the lines it wraps onto: a PDF breaks "... are subclasses
     of" / "application/octet-stream." over two lines. A line continues the item before it when that
     item has no closing punctuation yet and the line starts in lower case or with a symbol (a new
-    sentence or heading starts with a capital), at most MAX_WRAPS lines."""
-    items: list[str] = []
-    wraps = 0
-    for line in lines:
+    sentence or heading starts with a capital), at most MAX_WRAPS lines. A line ending in ":" between
+    items starts a new list (it introduces one), and so does a number out of sequence ("3. Modifiers",
+    the section's own heading, then "1. NNN days"); other prose between items (a page's running
+    header) does not."""
+    runs: list[ItemList] = []
+    wraps, number = MAX_WRAPS, None
+    for i, line in enumerate(lines):
         if BULLET.match(line) and not OPTION.match(line):
-            items.append(BULLET.sub("", line, count=1))
+            digits = re.match(r"\s*\(?(\d+)", line)
+            n = int(digits.group(1)) if digits else None
+            if not runs or wraps == -1 or (n is not None and number is not None and n != number + 1):
+                runs.append(ItemList("bullet", [], lead_in(lines, i)))
+            number = n
+            runs[-1].items.append(BULLET.sub("", line, count=1))
             wraps = 0
-        elif (items and wraps < MAX_WRAPS and not items[-1].rstrip().endswith((".", "!", "?", ":", ";"))
+        elif (runs and 0 <= wraps < MAX_WRAPS and not runs[-1].items[-1].rstrip().endswith((".", "!", "?", ":", ";"))
               and not OPTION.match(line) and not TABLE_ROW.match(line) and WRAPPED.match(line)):
-            items[-1] += " " + line
+            runs[-1].items[-1] += " " + line
             wraps += 1
         else:
-            wraps = MAX_WRAPS  # prose after the list ends the last item
-    return items
+            wraps = -1 if line.rstrip().endswith(":") else max(wraps, MAX_WRAPS)  # prose ends the last item
+    return runs
 
 
-def section_items(text: str) -> list[str]:
-    """The items of the list that `text` (one section) holds, by its most frequent item form (see the
-    design note); [] when no form occurs at least MIN_ITEMS times."""
+def bullets(lines: Sequence[str]) -> list[str]:
+    """Every bulleted or numbered item of `lines` (see bullet_runs)."""
+    return [item for run in bullet_runs(lines) for item in run.items]
+
+
+def lead_in(lines: Sequence[str], at: int) -> str:
+    """The sentence just before line `at`, what introduces a list ("The available modifiers are as
+    follows."), at most LEAD_IN_CHARS: an HTML paragraph is one long line, and its earlier sentences
+    are about other things."""
+    before = " ".join(lines[max(0, at - 3):at])
+    sentences = re.split(r"(?<=[.!?])\s+(?=\S)", before.rstrip())
+    return sentences[-1][-LEAD_IN_CHARS:] if sentences else ""
+
+
+def item_lists(text: str) -> list[ItemList]:
+    """Every list `text` (one section) holds, by item form (see the design note)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    rows = [line for line in lines if TABLE_ROW.match(line) and not TABLE_RULE.match(line)]
-    forms: dict[str, list[str]] = {
-        "table": rows[1:] if rows and any(TABLE_RULE.match(line) for line in lines) else rows,
-        "bullet": bullets(lines),
-        "option": [line for line in lines if OPTION.match(line)],
-    }
-    labels: dict[str, list[str]] = {}
-    for i, line in enumerate(lines[:-1]):
+    out: list[ItemList] = []
+    i = 0
+    while i < len(lines):  # tables: runs of rows, header and rule rows left out
+        if not TABLE_ROW.match(lines[i]):
+            i += 1
+            continue
+        j = i
+        while j < len(lines) and TABLE_ROW.match(lines[j]):
+            j += 1
+        rows = [line for line in lines[i:j] if not TABLE_RULE.match(line)]
+        ruled = any(TABLE_RULE.match(line) for line in lines[i:j])
+        header = rows[0].strip("|").split("|")[0] if ruled else ""
+        out.append(ItemList("table", rows[1:] if ruled else rows, lead_in(lines, i), header))
+        i = j
+    out.extend(bullet_runs(lines))
+    options = [k for k, line in enumerate(lines) if OPTION.match(line)]
+    if options:
+        out.append(ItemList("option", [lines[k] for k in options], lead_in(lines, options[0])))
+    labels: dict[str, list[int]] = {}
+    for k, line in enumerate(lines[:-1]):
         if re.fullmatch(r"\[[^\]]{2,40}\]", line):  # "[Return code]" before each item
-            labels.setdefault(line, []).append(lines[i + 1])
-    for label, items in labels.items():
-        forms[label] = items
-    best = max(forms.values(), key=len)
-    return [" ".join(item.split()).strip("|").strip() for item in best] if len(best) >= MIN_ITEMS else []
+            labels.setdefault(line, []).append(k)
+    for label, at in labels.items():
+        out.append(ItemList(label, [lines[k + 1] for k in at], lead_in(lines, at[0]) + " " + label))
+    for found in out:
+        found.items = [" ".join(item.split()).strip("|").strip() for item in found.items]
+    return [found for found in out if len(found.items) >= MIN_ITEMS]
+
+
+OPTION_NOUNS = {"option", "flag", "switch", "argument", "parameter"}
+
+
+def stem(word: str) -> str:
+    """A crude singular: "utilities" -> "utility", "classes" -> "class", "rules" -> "rule"."""
+    word = word.lower().strip("'\u2019")
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-3] + "y"
+    if word.endswith(("sses", "xes", "ches", "shes")):
+        return word[:-2]
+    return word[:-1] if word.endswith("s") and not word.endswith("ss") else word
+
+
+NOT_NAMING = {"and", "or", "of", "the", "a", "an", "different", "distinct", "separate", "total", "main"}
+
+
+def names(text: str, noun: str) -> bool:
+    """Whether `text` names the counted noun: every word of it ("major user-visible changes" in "The
+    following major, user-visible changes"), each as itself or as the start of a word there
+    ("Subclassing" names "subclass"). One word of it is not enough: "top-level variables" are not
+    the "variable" of "The full lookup order for a variable is:"."""
+    have = {stem(w) for w in re.findall(r"[A-Za-z][\w-]*", text)}
+    wanted = [stem(w) for w in re.findall(r"[A-Za-z][\w-]*", noun) if w.lower() not in NOT_NAMING]
+    return bool(wanted) and all(any(h.startswith(w) for h in have) for w in wanted)
+
+
+def section_items(text: str, noun: str = "", heading: str = "") -> list[str]:
+    """The items of the list the question counts, from `text` (one section under `heading`): the
+    longest list that something names `noun` for: its lead-in together with the section's heading,
+    its form (an option list counts options, flags, ...), or a table's first header cell
+    ("Compressor name" for "compressor configurations"). [] when nothing names what is counted, or
+    the question asks for a part of a list ("how many of the limits..."): then the model answers
+    from the section. Without a noun, the longest list."""
+    if re.match(r"of\b", noun, re.I):
+        return []  # "how many of the limits can be lowered": a part of the list, which takes reading
+    lists = item_lists("\n".join(line for line in text.splitlines() if line.strip() != heading.strip() or not heading))
+    if noun:
+        option_noun = any(stem(w) in OPTION_NOUNS for w in noun.split())
+        lists = [found for found in lists if names(f"{heading} {found.lead_in}", noun)
+                 or (found.form == "option" and option_noun)
+                 or any(names(found.header, word) for word in noun.split() if len(word) > 3)]
+    return max(lists, key=lambda found: len(found.items)).items if lists else []
 
 
 def counted_noun(question: str) -> str:

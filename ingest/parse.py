@@ -288,6 +288,9 @@ _SKIP_TAGS = {"script", "style", "noscript", "template", "svg"}
 
 
 class _HTMLText(HTMLParser):
+    """Visible text, with the structure a reader (and the counter in assistant/counting.py) needs:
+    list items start with "- " or "1. ", table rows read "| a | b |" with a rule under a header row."""
+
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.parts: list[str] = []
@@ -295,6 +298,11 @@ class _HTMLText(HTMLParser):
         self.headings: list[tuple[int, str]] = []
         self._skip = 0
         self._heading_start: int | None = None
+        self._lists: list[list] = []  # [tag, items so far] per open <ol>/<ul>
+        self._rows: list[int] = []  # rows so far per open <table>
+        self._cells = 0  # cells so far in the open row
+        self._header_row = True  # every cell of the open row is a <th>
+        self._in_cell = 0
 
     def _emit(self, s: str) -> None:
         self.parts.append(s)
@@ -303,21 +311,56 @@ class _HTMLText(HTMLParser):
     def handle_starttag(self, tag, attrs):
         if tag in _SKIP_TAGS:
             self._skip += 1
+        elif self._skip:
+            return
+        elif tag in ("td", "th") and self._rows:
+            self._emit("| " if self._cells == 0 else " | ")
+            self._cells += 1
+            self._header_row &= tag == "th"
+            self._in_cell += 1
+        elif self._in_cell and tag in _BLOCK_TAGS:
+            self._emit(" ")  # a paragraph inside a cell stays on the row's line
         elif tag in _BLOCK_TAGS:
+            if tag == "table":
+                self._rows.append(0)
+            elif tag == "tr":
+                self._cells, self._header_row = 0, True
+            elif tag in ("ol", "ul"):
+                self._lists.append([tag, 0])
             self._emit("\n\n" if tag not in ("br", "li", "tr") else "\n")
+            if tag == "li" and self._lists:
+                self._lists[-1][1] += 1
+                kind, n = self._lists[-1]
+                self._emit(f"{n}. " if kind == "ol" else "- ")
             if tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
                 self._heading_start = self.length
 
     def handle_endtag(self, tag):
         if tag in _SKIP_TAGS:
             self._skip = max(0, self._skip - 1)
+        elif self._skip:
+            return
+        elif tag in ("td", "th") and self._in_cell:
+            self._in_cell -= 1
+        elif self._in_cell and tag in _BLOCK_TAGS:
+            self._emit(" ")
         elif tag in _BLOCK_TAGS:
             if tag.startswith("h") and tag[1:].isdigit() and self._heading_start is not None:
                 title = " ".join("".join(self.parts)[self._heading_start:].split())
                 if title:
                     self.headings.append((self._heading_start, title))
                 self._heading_start = None
-            self._emit("\n\n" if tag not in ("li", "tr") else "\n")
+            if tag == "tr" and self._rows and self._cells:
+                self._emit(" |")
+                if self._rows[-1] == 0 and self._header_row:
+                    self._emit("\n|" + " --- |" * self._cells)
+                self._rows[-1] += 1
+            elif tag == "table" and self._rows:
+                self._rows.pop()
+            elif tag in ("ol", "ul") and self._lists:
+                self._lists.pop()
+            if tag not in ("tr", "li"):  # the next row or item starts on the next line, no blank line between
+                self._emit("\n\n")
 
     def handle_data(self, data):
         if not self._skip:
@@ -339,6 +382,8 @@ def html_to_text(html: str) -> tuple[str, list[tuple[int, str]]]:
             piece = "\n\n" if piece.count("\n") > 1 else "\n"
             if not out:
                 piece = ""
+        else:
+            piece = re.sub(r"(?<=\S)[ \t]{2,}", " ", piece).rstrip()  # "1.  NNN days " -> "1. NNN days"
         out.append(piece)
         i += len(piece)
     text = "".join(out)
@@ -352,6 +397,7 @@ def html_to_text(html: str) -> tuple[str, list[tuple[int, str]]]:
 def parse_docx(path: Path) -> ParsedDocument:
     try:
         import docx
+        from docx.table import Table
     except ImportError as e:
         raise IngestError("DOCX support is not installed: pip install -e '.[ingest]'") from e
     try:
@@ -359,21 +405,39 @@ def parse_docx(path: Path) -> ParsedDocument:
     except Exception as e:  # PackageNotFoundError, BadZipFile, KeyError on broken parts
         raise IngestError(f"not a readable DOCX file: {e}") from e
     parts, headings, offset = [], [], 0
-    for paragraph in document.paragraphs:
-        text = paragraph.text.strip()
-        if not text:
+    numbered = 0  # items so far in the current numbered list
+    for block in document.iter_inner_content():  # paragraphs and tables in reading order
+        if isinstance(block, Table):
+            lines = table_lines([[cell.text for cell in row.cells] for row in block.rows])
+            text = "\n".join(lines)
+        else:
+            text = block.text.strip()
+            style = (block.style.name if block.style is not None else "") or ""
+            if style.startswith("Heading") or style == "Title":
+                headings.append((offset, text))
+            numbered = numbered + 1 if style.startswith("List Number") else 0
+            if numbered:
+                text = f"{numbered}. {text}"
+            elif style.startswith("List") or block._p.pPr is not None and block._p.pPr.numPr is not None:
+                text = f"- {text}"  # bullets, or Word's own numbering (its format lives elsewhere)
+        if not text.strip():
             continue
-        style = (paragraph.style.name if paragraph.style is not None else "") or ""
-        if style.startswith("Heading") or style == "Title":
-            headings.append((offset, text))
         parts.append(text)
         offset += len(text) + 2
-    for table in document.tables:
-        for row in table.rows:
-            line = " | ".join(cell.text.strip() for cell in row.cells)
-            if line.strip(" |"):
-                parts.append(line)
     return ParsedDocument(path, "docx", [Page(1, "\n\n".join(parts), headings)])
+
+
+def table_lines(rows: list[list[str]]) -> list[str]:
+    """A table as Markdown rows, "| a | b |", with a rule under the first (header) row."""
+    out = []
+    for i, row in enumerate(rows):
+        cells = [" ".join(cell.split()).replace("|", "/") for cell in row]
+        if not any(cells):
+            continue
+        out.append("| " + " | ".join(cells) + " |")
+        if i == 0:
+            out.append("|" + " --- |" * len(cells))
+    return out
 
 
 def _clean(text: str) -> str:

@@ -137,3 +137,28 @@ def test_counted_items_carry_one_marker_each_after_the_citation_check():
     checked = verify_citations(answer, ledger).text
     assert checked.count("[1]") == 2, checked
     assert "application/octet-stream [1]" in checked
+
+
+def test_only_a_list_that_something_names_is_counted():
+    section = ("Design goals\nSome explicit non-goals:\n- convenient syntax\n- built-in rules\n- shell ops\n"
+               "Ninja's design goals are:\n- very fast builds\n- little policy\n")
+    assert section_items(section, "design goals", "Design goals") == ["convenient syntax", "built-in rules", "shell ops"]
+    assert section_items(section, "explicit non-goals") == ["convenient syntax", "built-in rules", "shell ops"]
+    assert section_items(section, "fast builds") == []  # nothing introduces a list of those
+    lookup = ("Evaluation and scoping\nTop-level variable declarations are scoped to the file.\n"
+              "The full lookup order for a variable is:\n1. Special variables.\n2. Build-level variables.")
+    assert section_items(lookup, "top-level variables", "Evaluation and scoping") == []  # one word is not enough
+    assert section_items(lookup, "variables", "Evaluation and scoping") == ["Special variables.", "Build-level variables."]
+    table = "| Compressor name | Ratio |\n| --- | --- |\n| zstd | 2.8 |\n| zlib | 2.7 |"
+    assert section_items(table, "compressor configurations", "Benchmarks") == ["zstd | 2.8", "zlib | 2.7"]
+    options = "Usage: tool [OPTION]\n-b, --benchmark\nrun it\n-h, --help\nshow help"
+    assert section_items(options, "options", "Invoking tool") == ["-b, --benchmark", "-h, --help"]
+    limits = "The limits are:\n- columns\n- rows\n- pages"
+    assert section_items(limits, "limits") == ["columns", "rows", "pages"]
+    assert section_items(limits, "of the limits") == []  # "how many of the limits can be lowered": a part
+
+
+def test_a_number_out_of_sequence_starts_a_new_list():
+    section = "3. Modifiers\nThe available modifiers are as follows.\n1. NNN days\n2. NNN hours\n4. Examples"
+    assert section_items(section, "modifiers", "3. Modifiers") == ["NNN days", "NNN hours"]  # not the headings
+    assert section_items("Intro:\n1. a\n2. b\n3. c\n1. x\n2. y") == ["a", "b", "c"]  # a restart is a new list

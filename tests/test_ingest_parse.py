@@ -99,6 +99,37 @@ def test_markdown_html_text_docx_headings(tmp_path):
     assert page.headings == [(0, "Budget")] and "modest" in page.text
 
 
+def test_lists_and_tables_keep_their_structure(tmp_path):
+    """Items start with a marker and table rows read as Markdown rows, in reading order: the counter
+    (assistant/counting.py) counts them, and the model sees which cell belongs to which row."""
+    html = tmp_path / "page.html"
+    html.write_text("<h2>Modifiers</h2><p>The modifiers are:</p><ol><li> NNN days </li><li>start of\n month</li></ol>"
+                    "<ul><li>utc</li></ul><table><tr><th>Name</th><th>Limit</th></tr>"
+                    "<tr><td><p>columns</p></td><td>2000</td></tr></table><h2>After</h2><p>Done.</p>")
+    page = parse_file(html).pages[0]
+    assert "The modifiers are:\n\n1. NNN days\n2. start of month\n\n- utc" in page.text
+    assert "| Name | Limit |\n| --- | --- |\n| columns | 2000 |" in page.text
+    assert all(page.text[o:].startswith(h) for o, h in page.headings) and len(page.headings) == 2
+
+    docx = pytest.importorskip("docx")
+    document = docx.Document()
+    document.add_heading("Rules", level=1)
+    document.add_paragraph("In this order:")
+    for rule in ("INT means INTEGER", "CHAR means TEXT"):
+        document.add_paragraph(rule, style="List Number")
+    document.add_paragraph("Note.")
+    document.add_paragraph("a bullet", style="List Bullet")
+    table = document.add_table(rows=2, cols=2)
+    for cell, text in zip(table._cells, ("Type", "Affinity", "INT2", "INTEGER")):
+        cell.text = text
+    document.add_heading("Later", level=1)
+    document.save(tmp_path / "rules.docx")
+    page = parse_file(tmp_path / "rules.docx").pages[0]
+    assert page.text == ("Rules\n\nIn this order:\n\n1. INT means INTEGER\n\n2. CHAR means TEXT\n\nNote.\n\n- a bullet\n\n"
+                         "| Type | Affinity |\n| --- | --- |\n| INT2 | INTEGER |\n\nLater")  # the table where it stands
+    assert all(page.text[o:].startswith(h) for o, h in page.headings) and len(page.headings) == 2
+
+
 def test_bad_files_give_clear_per_file_errors(tmp_path):
     corrupt = tmp_path / "corrupt.pdf"
     corrupt.write_bytes(b"%PDF-1.7\n" + bytes(range(256)) * 8)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from assistant.citations import Passage, SourceLedger, content_words
+from assistant.counting import counted_noun, names
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
@@ -370,7 +371,8 @@ def named_section(question: str) -> str:
 
 def section_hit(question: str, hits: Sequence[Any], named: str = "") -> Any | None:
     """The hit whose section a whole-section question is about: one whose heading is the section the
-    question names, else the best hit under a heading among the first three, else the best hit."""
+    question names, else one in the best hit's document whose heading names what is counted
+    ("3. Modifiers" for "how many modifiers"), else the best hit under a heading among the first three, else the best hit."""
     if not hits:
         return None
     wanted = content_words(named)
@@ -378,7 +380,10 @@ def section_hit(question: str, hits: Sequence[Any], named: str = "") -> Any | No
         heading = content_words(getattr(hit, "heading", "") or "")
         if heading and wanted <= heading:
             return hit
-    return next((h for h in hits[:3] if getattr(h, "heading", "")), hits[0])
+    noun, best = counted_noun(question), hits[0]
+    return next((h for h in hits if noun != "items" and doc_name(h) == doc_name(best)
+                 and names(getattr(h, "heading", "") or "", noun)),
+                next((h for h in hits[:3] if getattr(h, "heading", "")), best))
 
 
 class DocumentPrefetch:
