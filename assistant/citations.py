@@ -266,3 +266,42 @@ def _source(passage: Passage, claim: str = "") -> Source:
     if len(snippet) > SNIPPET_CHARS:
         snippet = snippet[: SNIPPET_CHARS - 1] + "…"
     return Source(passage.marker, passage.doc, passage.page, snippet, passage.chunk_id)
+
+
+# -- what a counting question counts (assistant/counting.py, tools/retrieval.py) ---------------------
+HOW_MANY = re.compile(r"\bhow many\s+(?P<noun>.+?)\s+(?:does|do|did|are|is|were|was|can|could|will|would|has|have|"
+                      r"exist|appear|get)\b", re.I)
+
+
+def counted_noun(question: str) -> str:
+    """What a "how many X ..." question counts ("options"), or "items"."""
+    match = HOW_MANY.search(question) or re.search(r"\bhow many\s+(?P<noun>.+)$", question, re.I)
+    if not match:
+        return "items"
+    words = match.group("noun").rstrip("?.!").split()[:4]
+    plural = next((i for i, w in enumerate(words)
+                   if w.lower().endswith("s") and not w.lower().endswith(("ss", "us", "is")) and len(w) > 3), None)
+    return " ".join(words[: plural + 1] if plural is not None else words[:1])  # "rules decide…" -> "rules"
+
+
+def stem(word: str) -> str:
+    """A crude singular: "utilities" -> "utility", "classes" -> "class", "rules" -> "rule"."""
+    word = word.lower().strip("'\u2019")
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-3] + "y"
+    if word.endswith(("sses", "xes", "ches", "shes")):
+        return word[:-2]
+    return word[:-1] if word.endswith("s") and not word.endswith("ss") else word
+
+
+NOT_NAMING = {"and", "or", "of", "the", "a", "an", "different", "distinct", "separate", "total", "main"}
+
+
+def names(text: str, noun: str) -> bool:
+    """Whether `text` names the counted noun: every word of it ("major user-visible changes" in "The
+    following major, user-visible changes"), each as itself or as the start of a word there
+    ("Subclassing" names "subclass"). One word of it is not enough: "top-level variables" are not
+    the "variable" of "The full lookup order for a variable is:"."""
+    have = {stem(w) for w in re.findall(r"[A-Za-z][\w-]*", text)}
+    wanted = [stem(w) for w in re.findall(r"[A-Za-z][\w-]*", noun) if w.lower() not in NOT_NAMING]
+    return bool(wanted) and all(any(h.startswith(w) for h in have) for w in wanted)

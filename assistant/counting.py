@@ -30,10 +30,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from assistant.citations import Passage, content_words
+from assistant.citations import Passage, content_words, counted_noun, names, stem  # noqa: F401 - counted_noun is this module's API too
 
-HOW_MANY = re.compile(r"\bhow many\s+(?P<noun>.+?)\s+(?:does|do|did|are|is|were|was|can|could|will|would|has|have|"
-                      r"exist|appear|get)\b", re.I)
 BULLET = re.compile(r"^\s*(?:[-*•·]|\d{1,3}[.)](?!\d)|\(\d{1,3}\))\s*")  # not "1.3 Design goals"
 MAX_ITEMS = 60  # a listing longer than this is not a count the section supports
 
@@ -135,29 +133,6 @@ def item_lists(text: str) -> list[ItemList]:
 OPTION_NOUNS = {"option", "flag", "switch", "argument", "parameter"}
 
 
-def stem(word: str) -> str:
-    """A crude singular: "utilities" -> "utility", "classes" -> "class", "rules" -> "rule"."""
-    word = word.lower().strip("'\u2019")
-    if word.endswith("ies") and len(word) > 4:
-        return word[:-3] + "y"
-    if word.endswith(("sses", "xes", "ches", "shes")):
-        return word[:-2]
-    return word[:-1] if word.endswith("s") and not word.endswith("ss") else word
-
-
-NOT_NAMING = {"and", "or", "of", "the", "a", "an", "different", "distinct", "separate", "total", "main"}
-
-
-def names(text: str, noun: str) -> bool:
-    """Whether `text` names the counted noun: every word of it ("major user-visible changes" in "The
-    following major, user-visible changes"), each as itself or as the start of a word there
-    ("Subclassing" names "subclass"). One word of it is not enough: "top-level variables" are not
-    the "variable" of "The full lookup order for a variable is:"."""
-    have = {stem(w) for w in re.findall(r"[A-Za-z][\w-]*", text)}
-    wanted = [stem(w) for w in re.findall(r"[A-Za-z][\w-]*", noun) if w.lower() not in NOT_NAMING]
-    return bool(wanted) and all(any(h.startswith(w) for h in have) for w in wanted)
-
-
 def section_items(text: str, noun: str = "", heading: str = "") -> list[str]:
     """The items of the list the question counts, from `text` (one section under `heading`): the
     longest list that something names `noun` for: its lead-in together with the section's heading,
@@ -174,17 +149,6 @@ def section_items(text: str, noun: str = "", heading: str = "") -> list[str]:
                  or (found.form == "option" and option_noun)
                  or any(names(found.header, word) for word in noun.split() if len(word) > 3)]
     return max(lists, key=lambda found: len(found.items)).items if lists else []
-
-
-def counted_noun(question: str) -> str:
-    """What a "how many X ..." question counts ("options"), or "items"."""
-    match = HOW_MANY.search(question) or re.search(r"\bhow many\s+(?P<noun>.+)$", question, re.I)
-    if not match:
-        return "items"
-    words = match.group("noun").rstrip("?.!").split()[:4]
-    plural = next((i for i, w in enumerate(words)
-                   if w.lower().endswith("s") and not w.lower().endswith(("ss", "us", "is")) and len(w) > 3), None)
-    return " ".join(words[: plural + 1] if plural is not None else words[:1])  # "rules decide…" -> "rules"
 
 
 def supported_items(items: Sequence[str], passages: Sequence[Passage]) -> list[tuple[str, int]]:

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +78,48 @@ def upload_folder(data_dir: str | Path, key_id: str, conversation_id: str | None
     each key's, and each conversation's, file of one name is a document of its own)."""
     folder = Path(data_dir).resolve() / "uploads" / "documents" / (key_id or "local")
     return folder / "conversations" / conversation_id if conversation_id else folder
+
+
+def slug(conversation_id: str) -> str:
+    """A conversation id as a file or container name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", conversation_id).strip(".") or "_"
+
+
+def conversation_files(data_dir: str | Path, conversation_id: str) -> Path:
+    """A conversation's own files: <data_dir>/uploads/<id>/ holds its recordings and pictures and a
+    copy of every file attached in it, and is mounted read-only at /data in its code sandbox.
+    Raises ValueError for an id that does not name a folder directly under uploads/."""
+    root = (Path(data_dir) / "uploads").resolve()
+    path = (root / slug(conversation_id)).resolve()
+    if path.parent != root:
+        raise ValueError(f"conversation id {conversation_id!r} does not name a directory under uploads")
+    return path
+
+
+def share_with_sandbox(data_dir: str | Path, conversation_id: str, paths: Iterable[Path]) -> list[Path]:
+    """Put the files attached in a conversation where its code sandbox reads them (/data): hard links
+    into conversation_files (copies across file systems), so "plot column B of the CSV I uploaded"
+    works. Returns the sandbox's copies."""
+    import os
+
+    folder = conversation_files(data_dir, conversation_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for path in paths:
+        target = folder / Path(path).name
+        target.unlink(missing_ok=True)  # a newer upload of the same name replaces the older
+        try:
+            os.link(path, target)
+        except OSError:
+            shutil.copy2(path, target)
+        out.append(target)
+    return out
+
+
+def remove_conversation_files(data_dir: str | Path, key_id: str, conversation_id: str) -> None:
+    """Everything saved for a deleted conversation: its uploaded documents and its own files."""
+    shutil.rmtree(upload_folder(data_dir, key_id, conversation_id), ignore_errors=True)
+    shutil.rmtree(conversation_files(data_dir, conversation_id), ignore_errors=True)
 
 
 class ApiKeyError(AssistantError):

@@ -12,6 +12,9 @@ import mimetypes
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+UPLOADS_MOUNT = "/data"  # where a conversation's files appear in its sandbox, read-only
+
+
 TRUNCATION_MARKER = "\n[... {num_bytes:,} bytes of output truncated ...]\n"
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from assistant.config import SandboxConfig
 from assistant.errors import ToolUnavailable
-from sandbox.base import Artifact, CodeOutput, Executor, join_truncated
+from sandbox.base import UPLOADS_MOUNT, Artifact, CodeOutput, Executor, join_truncated
 from sandbox.pool import SessionPool, Slot
 from sandbox.setup import ENABLE_COMMAND, check_socket_access, image_exists, ping_daemon, runsc_available
 
@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 LABEL = "org.offline-assistant.sandbox"
 WORK_DIR = "/tmp"  # the size-capped tmpfs; must match sandbox/kernel.py
-UPLOADS_MOUNT = "/data"  # a conversation's uploads, read-only
 KERNEL_SOURCE = (Path(__file__).parent / "kernel.py").read_bytes()
 BOOT = (  # read the kernel's source from stdin (length line, then bytes) and run it
     "import sys;n=int(sys.stdin.buffer.readline());"
@@ -301,7 +300,7 @@ class DockerExecutor(Executor):
     def _uploads_dir(self, conversation_id: str) -> Path | None:
         if self.uploads_root is None:
             return None
-        path = (self.uploads_root / _slug(conversation_id)).resolve()
+        path = (self.uploads_root / _slug(conversation_id)).resolve()  # as assistant/keys.py conversation_files
         if path.parent != self.uploads_root:
             raise ValueError(f"conversation id {conversation_id!r} does not name a directory under uploads")
         path.mkdir(parents=True, exist_ok=True)
@@ -399,5 +398,5 @@ def _window(triple: list) -> tuple[bytes, bytes, int]:
 
 
 def _slug(conversation_id: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", conversation_id).strip(".") or "_"
-    return slug
+    """A conversation id as a file or container name (assistant/keys.py slug: the same rule)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", conversation_id).strip(".") or "_"

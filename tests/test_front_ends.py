@@ -204,3 +204,38 @@ def test_the_web_chat_lists_removes_and_deletes_documents_by_the_rest_apis_rule(
     assert not (tmp_path / "uploads" / "documents" / bob.id / "conversations" / cid).exists()
     with pytest.raises(Exception):
         assistant.conversations.get(cid)
+
+
+def test_files_attached_in_a_chat_are_in_its_sandbox_folder_and_data_files_only_there(keyed, tmp_path):
+    """Every file attached in a chat is also at /data in its code sandbox (assistant/keys.py
+    conversation_files, mounted by sandbox/executor.py); a data file that is not a document (JSON) goes
+    only there; deleting the chat deletes that folder too."""
+    from assistant.events import Notice
+    from assistant.keys import conversation_files
+    from assistant.seams import Attachment
+    from ui.gradio_app import LIBRARY, WebChat
+
+    assistant, _, app, keys = keyed
+    bob, bob_key = keys["bob"]
+    web = WebChat(assistant)
+    cid = web.start("Numbers", bob.id)
+    before = {d["file_name"] for d in assistant.documents.list()}
+    events = list(web.attach((Attachment("readings.json", b"[1, 2]"),), bob.id, cid))
+    assert isinstance(events[-1], Notice) and "readings.json" in events[-1].message and "/data/" in events[-1].message
+    events = list(web.attach((Attachment("numbers.csv", b"n\n1\n2\n"), Attachment("more.json", b"[3]")), bob.id, cid,
+                             LIBRARY))
+    assert events[-1].ok and "more.json saved for the code interpreter at /data/" in events[-1].summary
+    folder = conversation_files(tmp_path, cid)
+    assert (folder / "numbers.csv").read_bytes() == b"n\n1\n2\n" and (folder / "readings.json").read_bytes() == b"[1, 2]"
+    assert {d["file_name"] for d in assistant.documents.list()} - before == {"numbers.csv"}  # JSON is no document
+    assert not list((tmp_path / "uploads" / "documents").rglob("*.json"))  # one copy, the sandbox's
+
+    from fastapi.testclient import TestClient
+
+    from tests.test_rest_api import stream
+    rest, auth = TestClient(app), {"Authorization": f"Bearer {bob_key}"}
+    stream(rest, "/api/documents", files=[("file", ("api.txt", b"From the API.\n"))], data={"conversation_id": cid},
+           headers=auth)
+    assert (folder / "api.txt").read_bytes() == b"From the API.\n"
+    assert rest.delete(f"/api/conversations/{cid}", headers=auth).status_code == 200
+    assert not folder.exists()

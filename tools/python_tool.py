@@ -20,7 +20,8 @@ class PythonTool(Tool):
     name = "python"
     description = (
         "Run Python 3 code in a sandbox (no network) and read what it prints. Variables persist between "
-        "calls in this conversation. Always print() the result you need."
+        "calls in this conversation. Files the user attached are in /data (read-only; os.listdir('/data')). "
+        "Always print() the result you need."
     )
     inputs = {"code": {"type": "string", "description": "Python source to run; print the result"}}
 

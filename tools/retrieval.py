@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from assistant.citations import Passage, SourceLedger, content_words
-from assistant.counting import counted_noun, names
+from assistant.citations import Passage, SourceLedger, content_words, counted_noun, names
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model

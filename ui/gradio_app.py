@@ -14,7 +14,9 @@ says where attached files go: **this conversation** (the default) or **the libra
 the conversation because a file dropped into a chat is usually about that chat (as in ChatGPT's and
 Open WebUI's chats), and it is the private choice: a file reaches every other conversation's search
 only when the user says so; a conversation's files go when the conversation is deleted. The
-"Documents" panel lists both kinds and removes the caller's own.
+"Documents" panel lists both kinds and removes the caller's own. Every file attached in a chat is also
+at /data in that chat's code sandbox (read-only), and data files that are not documents (CSV, JSON,
+...) go only there, so "plot column B of the CSV I uploaded" works.
 API endpoints (for gradio_client and scripts):
   /chat   (message, history) -> (cleared textbox, history)   streaming, used by the web page
   /ask    (message) -> answer text                            streaming, same conversation state
@@ -28,16 +30,16 @@ API endpoints (for gradio_client and scripts):
 import io
 import mimetypes
 import secrets
-import shutil
 import threading
 import wave
 from pathlib import Path
 from typing import Any, Iterator
 
 from assistant.errors import AssistantError
-from assistant.events import Done, Error, ToolCallFinished, ToolCallStarted, TurnEvent, TurnStarted
-from assistant.keys import upload_folder
+from assistant.events import Done, Error, Notice, ToolCallFinished, ToolCallStarted, TurnEvent, TurnStarted
+from assistant.keys import remove_conversation_files, share_with_sandbox, upload_folder
 from assistant.seams import Attachment, UserInput
+from sandbox.base import UPLOADS_MOUNT
 from ui.render import (TurnView, conversation_label, document_label, history_messages, library_markdown, may_see,
                        usage_meter, visible_conversations)
 
@@ -153,7 +155,7 @@ class WebChat:
             owners.forget("conversation", conversation_id)
             for doc_id in owners.documents_of(conversation_id):
                 self._remove(doc_id)
-        shutil.rmtree(upload_folder(self.assistant.config.data_dir, key_id, conversation_id), ignore_errors=True)
+        remove_conversation_files(self.assistant.config.data_dir, key_id, conversation_id)
 
     # -- documents (the REST API's rule: assistant/keys.py DocumentAccess) -----------------------
     def access(self, key_id: str) -> Any:
@@ -228,11 +230,24 @@ class WebChat:
         linked = conversation_id if where == CONVERSATION else None
         folder = upload_folder(self.assistant.config.data_dir, key_id, linked)
         folder.mkdir(parents=True, exist_ok=True)
-        paths = []
+        saved = []
         for f in files:
             target = folder / (Path(f.name).name or "upload")
             target.write_bytes(f.read())
-            paths.append(target)
+            saved.append(target)
+        from ingest.parse import is_supported
+
+        # data files (CSV, JSON, ...) are not documents: they are only for the code interpreter
+        paths = [p for p in saved if is_supported(p)] if conversation_id else saved
+        data = [p for p in saved if p not in paths]
+        if conversation_id:
+            share_with_sandbox(self.assistant.config.data_dir, conversation_id, saved)
+        for p in data:
+            p.unlink(missing_ok=True)  # its copy at /data is the one kept
+        if data and not paths:
+            yield Notice(f"{', '.join(p.name for p in data)}: saved for the code interpreter, which reads "
+                         f"{'it' if len(data) == 1 else 'them'} at {UPLOADS_MOUNT}/ (read-only).")
+            return
         yield ToolCallStarted("ingest_files", "ingest", {"files": [p.name for p in paths],
                                                          "to": "this conversation" if linked else "the library"})
         owners = getattr(self.assistant, "owners", None)
@@ -252,6 +267,8 @@ class WebChat:
                     r.path.unlink(missing_ok=True)
         summary = "; ".join(failed) or f"ingested {len(results)} file(s) into " + (
             "this conversation" if linked else "the library")
+        if data:
+            summary += f"; {', '.join(p.name for p in data)} saved for the code interpreter at {UPLOADS_MOUNT}/"
         yield ToolCallFinished("ingest_files", "ingest", not failed, summary)
         if failed and len(failed) == len(results):
             raise AssistantError(f"No attached file could be read: {summary}")
@@ -423,7 +440,7 @@ def build_app(assistant: Any) -> Any:
             cancel = web.begin(request.session_hash or "")
             if files:  # ingested and claimed first, so the turn's scope holds them
                 where = LIBRARY if where == LIBRARY else CONVERSATION
-                if cid is None and where == CONVERSATION:
+                if cid is None:  # the files are also the conversation's, at /data in its sandbox
                     cid = web.start(text or files[0].name, key_id)
                 try:
                     for event in web.attach(files, key_id, cid, where):

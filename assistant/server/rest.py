@@ -53,7 +53,7 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from assistant.errors import AssistantError, StoreError
-from assistant.keys import upload_folder
+from assistant.keys import remove_conversation_files, share_with_sandbox, upload_folder
 from assistant.server.auth import Principal, key_checker
 from assistant.server.completions import error_response
 from assistant.server.gateway import Refusal
@@ -173,8 +173,7 @@ def create_rest_api(runner: TurnRunner) -> APIRouter:
         records = {d["doc_id"]: d for d in assistant.documents.list()} if doc_ids else {}
         for doc_id in doc_ids:
             remove_document(doc_id, records.get(doc_id))
-        shutil.rmtree(upload_folder(assistant.config.data_dir, request.state.principal.key_id, conversation_id),
-                      ignore_errors=True)
+        remove_conversation_files(assistant.config.data_dir, request.state.principal.key_id, conversation_id)
         return {"id": conversation_id, "deleted": True}
 
     @router.post("/conversations/{conversation_id}/turns")
@@ -289,6 +288,8 @@ def create_rest_api(runner: TurnRunner) -> APIRouter:
         folder = upload_folder(assistant.config.data_dir, principal.key_id, conversation_id)
         try:
             paths = await run_in_threadpool(_save, folder, names, file)
+            if conversation_id is not None:  # also at /data in the conversation's sandbox
+                await run_in_threadpool(share_with_sandbox, assistant.config.data_dir, conversation_id, paths)
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")
             raise
