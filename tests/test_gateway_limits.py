@@ -156,3 +156,14 @@ def test_two_servers_on_one_redis_share_a_keys_limit(tmp_path, redis_url):
     assert statuses == [200, 200, 200, 429]
     app_a.state.gateway.close()
     app_b.state.gateway.close()
+
+
+def test_a_replica_whose_redis_is_away_says_so_at_start():
+    """server.redis_url set but nothing listening: the turn registry (redis_turns.py) refuses to start
+    with the fix in the message, instead of serving turns that other replicas cannot cancel."""
+    require_module("redis")
+    from assistant.errors import ConfigError
+    from assistant.server.redis_turns import RedisRunningTurns
+
+    with pytest.raises(ConfigError, match="cannot be reached.*unset server.redis_url"):
+        RedisRunningTurns.from_url(f"redis://127.0.0.1:{free_port()}/0")

@@ -15,7 +15,8 @@ What runs, all on loopback and started by the test:
 What it shows: one conversation served alternately (A, B, A) is one conversation, and each replica
 sent the model the turns the other one wrote; one key's requests-per-minute bucket is shared (the
 429 comes at the tier's count summed over both replicas, with Retry-After); the usage ledger rows of
-both replicas are in PostgreSQL, and neither replica created a SQLite store of its own.
+both replicas are in PostgreSQL, and neither replica created a SQLite store of its own; a turn that
+A streams is stopped by a cancel sent to B (assistant/server/redis_turns.py).
 """
 
 from __future__ import annotations
@@ -51,15 +52,35 @@ ANSWERS = ["Nice to meet you, Ada.", "Your name is Ada.", "You asked me two ques
 QUESTIONS = ["My name is Ada.", "What is my name?", "How many questions did I ask before this one?"]
 
 
+def _slow_engine_class():
+    from assistant.engine.fake import ScriptedEngine
+
+    class Slow(ScriptedEngine):
+        """A ScriptedEngine that waits `delay_s` before each token: a turn long enough to cancel."""
+
+        delay_s = 0.0
+
+        def generate(self, prompt, params, *, tools=None, cancel=None):
+            for delta in super().generate(prompt, params, tools=tools, cancel=cancel):
+                yield delta
+                if delta.finish_reason is None and self.delay_s:
+                    time.sleep(self.delay_s)
+
+    return Slow
+
+
+def SlowScriptedEngine():  # noqa: N802 - a class made on first use: the engine module imports torch-free, but lazily
+    return _slow_engine_class()()
+
+
 @pytest.fixture(scope="module")
 def llm_server() -> Iterator[tuple[object, str]]:
     """The stand-in for vLLM: (its ScriptedEngine, its base URL)."""
     from fastapi import FastAPI
 
-    from assistant.engine.fake import ScriptedEngine
     from assistant.server.openai import create_api
 
-    engine = ScriptedEngine()
+    engine = SlowScriptedEngine()
     app = FastAPI()
     app.include_router(create_api(engine, model_name=MODEL))
     with serve_in_thread(app, timeout_s=20) as url:
@@ -249,3 +270,34 @@ def test_replicas_share_one_keys_rate_limit_and_ledger(cluster, llm_server):
     assert len(key_ids) == 1 and "" not in key_ids
     assert [ledger[request_id][1] for request_id in ids] == \
         ["ok"] * RPM + ["rate_limited"] * (len(order) - RPM)
+
+
+def test_a_turn_streamed_by_one_replica_is_cancelled_through_the_other(cluster, llm_server):
+    engine, _ = llm_server
+    key = cluster["keys"]["chat"]
+    words = 150
+    engine.script[:] = [["word "] * words]
+    engine.delay_s = 0.2  # 30 s if nothing stops it
+    unknown = httpx.post(f"{cluster['b']}/api/turns/no-such-turn/cancel", headers=_bearer(key), timeout=10)
+    assert unknown.status_code == 404, unknown.text
+    try:
+        events, started = [], time.monotonic()
+        with httpx.stream("POST", f"{cluster['a']}/api/turns", json={"text": "Tell me a long story."},
+                          headers=_bearer(key, "cancel-a"), timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(json.loads(line[len("data: "):]))
+                if events[-1]["type"] == "text_delta" and sum(e["type"] == "text_delta" for e in events) == 3:
+                    turn = next(e["message_id"] for e in events if e["type"] == "turn_started")
+                    cancelled = httpx.post(f"{cluster['b']}/api/turns/{turn}/cancel", headers=_bearer(key), timeout=10)
+                    assert cancelled.status_code == 200, cancelled.text  # B does not run it, A does
+        elapsed = time.monotonic() - started
+    finally:
+        engine.delay_s = 0.0
+    done = events[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "cancelled", events[-3:]
+    assert 0 < done["text"].count("word") < words and elapsed < 15, (done["text"].count("word"), elapsed)
+    stored = httpx.get(f"{cluster['b']}/api/conversations/{done['conversation_id']}", headers=_bearer(key)).json()
+    assert stored["messages"][-1]["content"] == done["text"]  # the partial answer is kept, as with a local cancel

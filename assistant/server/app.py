@@ -43,6 +43,7 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
     app.include_router(create_api(assistant.models.engine(), model_name=assistant.models.default,
                                   assistant=assistant, gateway=gateway))
     turns = TurnRunner(assistant, gateway)  # one set of running turns: any of them cancelled at /api/turns
+    app.state.turns = turns
     app.include_router(create_turn_routes(assistant, runner=turns))
     app.include_router(create_rest_api(turns))
     if getattr(assistant, "media", None) is not None:
@@ -76,7 +77,7 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
     if assistant is None:
         print(f"Loading model {config.engine.model}...", flush=True)
         assistant = build_assistant(config)
-    gateway = None
+    gateway = app = None
     try:
         check_bind(config.server.host, Authenticator.from_config(config, assistant.keys))
         _log_access_to(Path(config.data_dir) / "logs" / "access.jsonl")
@@ -87,6 +88,8 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
         uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning",
                     timeout_graceful_shutdown=3)  # open streams (browser tabs) must not block Ctrl-C
     finally:
+        if (turns := getattr(getattr(app, "state", None), "turns", None)) is not None:
+            turns.running.close()
         if gateway is not None:
             gateway.close()
         assistant.close()

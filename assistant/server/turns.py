@@ -6,7 +6,8 @@
                                          -> text/event-stream, one `event: <type>` + `data: <json>` per
                                             TurnEvent (`event.to_dict()`), ending with `done`; `audio`
                                             events carry the speech as base64 s16le (`pcm16_b64`)
-    POST /api/turns/{message_id}/cancel  stop a running turn (its id is TurnStarted.message_id)
+    POST /api/turns/{message_id}/cancel  stop a running turn (its id is TurnStarted.message_id), on
+                                         whichever replica runs it (redis_turns.py)
 
 The conversations themselves (list, get, rename, delete, a turn, regenerate, edit) are rest.py's routes;
 they run their turns through the same `TurnRunner`, so a turn started there is cancelled here too.
@@ -70,6 +71,19 @@ class RunningTurns:
             cancel.set()
         return cancel is not None
 
+    def close(self) -> None:
+        """Nothing to release here (the Redis-shared registry stops its listener)."""
+
+
+def running_turns(redis_url: str) -> RunningTurns:
+    """This process's turns; shared with the other replicas through Redis when `server.redis_url` is set
+    (redis_turns.py), so a cancel reaching any replica stops the turn."""
+    if not redis_url:
+        return RunningTurns()
+    from assistant.server.redis_turns import RedisRunningTurns
+
+    return RedisRunningTurns.from_url(redis_url)
+
 
 class TurnRunner:
     """What every route that runs a turn shares (here and in rest.py): the ownership check, admission,
@@ -77,7 +91,7 @@ class TurnRunner:
 
     def __init__(self, assistant: Any, gateway: Gateway) -> None:
         self.assistant, self.gateway = assistant, gateway
-        self.running = RunningTurns()
+        self.running = running_turns(getattr(assistant.config.server, "redis_url", ""))
 
     def scope(self, principal: Principal, conversation_id: str | None) -> frozenset[str] | None:
         """The doc ids a turn of `conversation_id` by `principal` may search and read (blocking: the store
