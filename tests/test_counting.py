@@ -114,6 +114,9 @@ def test_a_follow_up_is_searched_with_the_previous_question_and_whole_files_need
     assert found.tool == "search_documents"  # "whole" alone is not a request to read whole files
     found = prefetch(retriever)("Summarise a.pdf", SourceLedger())
     assert found.tool == "read_document" and found.arguments == {"documents": ["a.pdf"]}
+    found = prefetch(retriever)("What are the summary and log files called?", SourceLedger())
+    assert found.tool == "search_documents"  # "summary" names a file here, it asks for no summary
+    assert prefetch(retriever)("Give me a summary of the files", SourceLedger()).tool == "read_document"
 
 
 def test_a_bullet_wrapped_over_two_lines_keeps_its_end():

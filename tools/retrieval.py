@@ -38,7 +38,8 @@ MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest i
 DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
 DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
 # a request about whole files: only with a document word or a file name ("deletes a whole structure" is not)
-SUMMARY = re.compile(r"\b(summari[sz]e|summary|compare|comparison|overview)\b", re.I)
+# ("summary" only as "a summary of ...": "what are the summary and log files called" is a lookup)
+SUMMARY = re.compile(r"\b(summari[sz]e|summary of|compare|comparison|overview)\b", re.I)
 COUNTING = re.compile(r"\bhow many\b|\bnumber of (?:the )?\w+ (?:are|is|does|do)\b", re.I)
 # a question that leans on the previous one: "And ...?", "what does it return?", "those", "the second one"
 FOLLOW_UP = re.compile(r"^\s*(?:and|also|then|so)\b|\b(?:it|its|that|those|these|them|they|this|one|ones|there)\b", re.I)
