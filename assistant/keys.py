@@ -96,6 +96,15 @@ def conversation_files(data_dir: str | Path, conversation_id: str) -> Path:
     return path
 
 
+def artifact_file(data_dir: str | Path, conversation_id: str, ref: str) -> Path | None:
+    """A file the code tool made in a conversation, by the content id its events carry
+    (<data_dir>/artifacts/<conversation>/<id>-<name>, tools/code_interpreter.py); None when there is none."""
+    if not ref.isalnum():
+        return None
+    folder = Path(data_dir).resolve() / "artifacts" / slug(conversation_id)
+    return next(iter(sorted(folder.glob(f"{ref}-*"))), None) if folder.is_dir() else None
+
+
 def share_with_sandbox(data_dir: str | Path, conversation_id: str, paths: Iterable[Path]) -> list[Path]:
     """Put the files attached in a conversation where its code sandbox reads them (/data): hard links
     into conversation_files (copies across file systems), so "plot column B of the CSV I uploaded"

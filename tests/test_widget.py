@@ -356,3 +356,36 @@ def test_notebook_through_a_server(library, models_dir, tmp_path, monkeypatch):
     _check_outputs(notebook)
     assert asked == 2  # both questions were answered by the server
     assert key not in json.dumps([c.outputs for c in notebook.cells])  # the key is not echoed into outputs
+
+
+def test_a_remote_chat_shows_the_plot_the_server_made(tmp_path):
+    """Chat(url=...) fetches a tool's artifact from GET /api/conversations/{id}/artifacts/{aid}: the plot
+    is on the server's disk, not this machine's; an id from another conversation is a 404."""
+    pytest.importorskip("PIL")
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from assistant.server.app import create_app
+    from sandbox.fake import FakeExecutor
+    from tools.code_interpreter import CodeInterpreter
+    from tools.python_tool import PythonTool
+
+    code = "from PIL import Image\nImage.new('RGB', (8, 6), 'red').save('plot.png')\nprint('saved')"
+    call = "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": code}}) + "\n</tool_call>"
+    server_dir = tmp_path / "server"
+    tool = PythonTool(CodeInterpreter(executor=FakeExecutor(), artifacts_dir=server_dir / "artifacts"))
+    assistant, _ = make_assistant(server_dir, call, "Here is the plot.", "No plot here.", tools=[tool])
+    with serve_in_thread(create_app(assistant, web_chat=False)) as base:
+        chat = Chat(url=base, show=False)
+        assert chat.ask("Plot something red.") == "Here is the plot."
+        (path,) = chat.last.artifacts
+        assert server_dir not in path.parents and path.name.endswith("plot.png")
+        (image,) = chat.last.images()
+        assert image.size == (8, 6)
+        (ref,) = chat.last.tool_steps[0].artifacts
+        other = Chat(url=base, show=False)
+        assert other.ask("Hello?") == "No plot here."
+        assert httpx.get(f"{base}/api/conversations/{other.conversation_id}/artifacts/{ref}").status_code == 404
+        assert httpx.get(f"{base}/api/conversations/{chat.conversation_id}/artifacts/{ref}").status_code == 200
+        chat.close()
+        assert not path.exists()  # the downloads go with the chat

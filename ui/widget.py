@@ -37,6 +37,7 @@ import io
 import itertools
 import json
 import os
+import tempfile
 import threading
 import time
 import wave
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from assistant.errors import AssistantError
+from assistant.keys import artifact_file
 from assistant.events import (AudioChunk, Done, Error, ImageDescribed, Notice, SafetyVerdict, Source, Sources,
                               TextDelta, ToolCallFinished, ToolCallStarted, Transcribed, TurnEvent, TurnStarted, Usage)
 from assistant.seams import Attachment, UserInput
@@ -168,8 +170,7 @@ class InProcessBackend:
         """A tool's artifact (a path, or the code tool's content id under <data_dir>/artifacts/<conversation>/)."""
         if Path(ref).is_file():
             return Path(ref)
-        root = Path(self.assistant.config.data_dir) / "artifacts"
-        return next(iter(sorted(root.glob(f"*/{ref}-*"))), None) if ref.isalnum() else None
+        return artifact_file(self.assistant.config.data_dir, conversation_id, ref)
 
     def describe(self) -> str:
         return "in-process"
@@ -189,6 +190,7 @@ class RemoteBackend:
         self._client = httpx.Client(timeout=httpx.Timeout(30.0, read=timeout_s),
                                     headers={"Authorization": f"Bearer {self.key}"} if self.key else {})
         self.ready = True
+        self._downloads: tempfile.TemporaryDirectory | None = None  # artifacts fetched from the server
 
     def turn(self, conversation_id: str | None, user_input: UserInput, *, max_tokens: int | None = None,
              cancel: threading.Event | None = None) -> Iterator[TurnEvent]:
@@ -259,13 +261,27 @@ class RemoteBackend:
         return response.json()["messages"]
 
     def artifact(self, ref: str, conversation_id: str) -> Path | None:
-        return Path(ref) if Path(ref).is_absolute() and Path(ref).is_file() else None  # only when on this machine
+        """A tool's artifact, fetched from the server (GET /api/conversations/{id}/artifacts/{ref}) into a
+        folder of this machine's temp dir that lives as long as the backend; None when the server has none."""
+        if not ref.isalnum():
+            return None
+        if self._downloads is None:
+            self._downloads = tempfile.TemporaryDirectory(prefix="assistant-widget-")
+        response = self._client.get(f"{self.url}/api/conversations/{conversation_id}/artifacts/{ref}")
+        if response.status_code != 200:
+            return None
+        name = response.headers.get("content-disposition", "").rpartition("filename=")[2].strip('"') or "artifact"
+        path = Path(self._downloads.name) / f"{ref}-{Path(name).name}"
+        path.write_bytes(response.content)
+        return path
 
     def describe(self) -> str:
         return self.url
 
     def close(self) -> None:
         self._client.close()
+        if self._downloads is not None:
+            self._downloads.cleanup()
 
 
 def _b64_part(attachment: Attachment) -> dict[str, str]:

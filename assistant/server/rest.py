@@ -11,6 +11,7 @@
     POST   /api/conversations/{id}/messages/{message_id}/edit         {"text", "max_tokens"?} -> SSE: the
                                                    question (message_id) changed on a new branch, answered
     GET    /api/conversations/{id}/documents       the documents that belong to that conversation
+    GET    /api/conversations/{id}/artifacts/{aid} a file the code tool made there (a plot), by its id
     GET    /api/documents[?conversation_id=ID]     the caller's documents (or one conversation's)
     POST   /api/documents                          multipart, one or more `file` parts and an optional
                                                    `conversation_id` field -> SSE: `progress` (file_name,
@@ -39,6 +40,7 @@ Errors have the API's one shape, {"error": {message, type, param, code}} (comple
 from __future__ import annotations
 
 import logging
+import mimetypes
 import queue
 import shutil
 import threading
@@ -48,12 +50,12 @@ from typing import Any, Callable, Iterator
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from assistant.errors import AssistantError, StoreError
-from assistant.keys import remove_conversation_files, share_with_sandbox, upload_folder
+from assistant.keys import artifact_file, remove_conversation_files, share_with_sandbox, upload_folder
 from assistant.server.auth import Principal, key_checker
 from assistant.server.completions import error_response
 from assistant.server.gateway import Refusal
@@ -162,6 +164,16 @@ def create_rest_api(runner: TurnRunner) -> APIRouter:
         visible(request, conversation_id)
         assistant.conversations.rename(conversation_id, body.title)
         return summary(conversation_id)
+
+    @router.get("/conversations/{conversation_id}/artifacts/{artifact_id}")
+    def get_artifact(conversation_id: str, artifact_id: str, request: Request) -> Any:
+        """A file the code tool made in the conversation (a plot), by the id its tool step carries."""
+        visible(request, conversation_id)
+        path = artifact_file(assistant.config.data_dir, conversation_id, artifact_id)
+        if path is None:
+            raise HTTPException(404, f"No artifact {artifact_id!r} in this conversation.")
+        return FileResponse(path, media_type=mimetypes.guess_type(path.name)[0] or "application/octet-stream",
+                            filename=path.name.split("-", 1)[-1])
 
     @router.delete("/conversations/{conversation_id}")
     def delete_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
