@@ -246,6 +246,7 @@ class Orchestrator:
             if turn.answer_check:  # the large model's own word on whether its passages state the answer
                 meta["answer_check"] = turn.answer_check
                 if turn.answer_check == "no" and not grounding.refused:
+                    meta["withheld_answer"] = final  # kept for the record (and the eval), never shown as the answer
                     final = refusal(turn.ledger.passages)
         if len(turn.ledger) or turn.documents:
             check = verify_citations(final, turn.ledger, facts=facts_held)

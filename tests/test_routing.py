@@ -66,7 +66,8 @@ def test_an_answer_its_passages_do_not_state_becomes_a_refusal(tmp_path):
     orch, _ = _orch(tmp_path, [], large, retriever=FakeRetriever(MANUAL))
     done = list(orch.run_turn(None, "Does the warranty cover water damage?"))[-1]
     assert done.text.startswith("The documents I searched do not say.") and "manual.pdf" in done.text
-    assert orch.store.get_message(done.message_id).meta["answer_check"] == "no"
+    meta = orch.store.get_message(done.message_id).meta
+    assert meta["answer_check"] == "no" and meta["withheld_answer"] == "The warranty covers water damage [1]."
 
 
 def test_the_small_model_is_not_asked_to_check_itself(tmp_path):
