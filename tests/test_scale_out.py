@@ -33,6 +33,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from assistant.engine.fake import ScriptedEngine
 from tests.conftest import REPO_ROOT, free_port, serve_in_thread
 
 pytestmark = pytest.mark.real
@@ -52,25 +53,16 @@ ANSWERS = ["Nice to meet you, Ada.", "Your name is Ada.", "You asked me two ques
 QUESTIONS = ["My name is Ada.", "What is my name?", "How many questions did I ask before this one?"]
 
 
-def _slow_engine_class():
-    from assistant.engine.fake import ScriptedEngine
+class SlowScriptedEngine(ScriptedEngine):
+    """A ScriptedEngine that waits `delay_s` after each token: a turn long enough to cancel."""
 
-    class Slow(ScriptedEngine):
-        """A ScriptedEngine that waits `delay_s` before each token: a turn long enough to cancel."""
+    delay_s = 0.0
 
-        delay_s = 0.0
-
-        def generate(self, prompt, params, *, tools=None, cancel=None):
-            for delta in super().generate(prompt, params, tools=tools, cancel=cancel):
-                yield delta
-                if delta.finish_reason is None and self.delay_s:
-                    time.sleep(self.delay_s)
-
-    return Slow
-
-
-def SlowScriptedEngine():  # noqa: N802 - a class made on first use: the engine module imports torch-free, but lazily
-    return _slow_engine_class()()
+    def generate(self, prompt, params, *, tools=None, cancel=None):
+        for delta in super().generate(prompt, params, tools=tools, cancel=cancel):
+            yield delta
+            if delta.finish_reason is None and self.delay_s:
+                time.sleep(self.delay_s)
 
 
 @pytest.fixture(scope="module")
