@@ -20,8 +20,9 @@ Design note — one step loop, two doors:
   malformed call gets `max_repairs` repair step(s) with the validation error as its observation;
   after that, and after `max_steps`, one last call is made without tools so the turn always ends in an
   answer. A call the model already made in this turn is not run again (small models loop on a failing
-  call); the model is told so instead. The model's mistakes become observations; our failures
-  (ToolUnavailable, EngineError) propagate to the turn, which reports them.
+  call); the model is told so instead, and the next call offers no tools, so it answers (the web chat
+  showed three "repeated, not run" steps in a row before this). The model's mistakes become
+  observations; our failures (ToolUnavailable, EngineError) propagate to the turn, which reports them.
   After a document answer from the large model, one more short call asks that model whether the
   passages it was shown state the answer at all (`_check_answer`, ANSWER_CHECK; the prompt is the
   answer's own prompt plus the answer and the question, so the engine's prefix cache reuses all of it
@@ -253,6 +254,7 @@ class AgentLoop:
                                            skipped=result.text is REPEATED_CALL)
                     if result.text is REPEATED_CALL:  # our own instruction, not tool output: nothing to screen
                         observed, verdict = REPEATED_CALL, None
+                        offer_tools = False  # a model that repeats itself answers next (it looped 3 times)
                     else:
                         observed, verdict = self.observe(result.text[: self.options.max_observation_chars], turn,
                                                          where="tool")

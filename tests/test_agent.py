@@ -306,3 +306,12 @@ def test_a_scoped_turn_offers_document_tools_only_over_what_it_may_see(tmp_path)
     orch.options = AgentOptions()  # the local user (no scope): the whole library, prefetched
     events = list(orch.run_turn(None, "What is the vault code in the document?"))
     assert "The vault code is 4471." in json.dumps(engine.prompts[-1]) and events[-1].text.endswith("[1].")
+
+
+def test_after_a_repeated_call_the_next_step_answers_without_tools(tmp_path):
+    add = AddTool()
+    orch, engine = make_orchestrator(tmp_path, CALL, CALL, "5.", tools=[add], options=AgentOptions(max_steps=4))
+    events = list(orch.run_turn(None, "2+3"))
+    assert [e.skipped for e in events if isinstance(e, ToolCallFinished)] == [False, True]
+    assert len(engine.prompts) == 3 and engine.tools_seen[2] is None  # no third chance to loop
+    assert events[-1].text == "5."
