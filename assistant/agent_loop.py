@@ -23,14 +23,6 @@ Design note — one step loop, two doors:
   call); the model is told so instead, and the next call offers no tools, so it answers (the web chat
   showed three "repeated, not run" steps in a row before this). The model's mistakes become
   observations; our failures (ToolUnavailable, EngineError) propagate to the turn, which reports them.
-  After a document answer from the large model, one more short call asks that model whether the
-  passages it was shown state the answer at all (`_check_answer`, ANSWER_CHECK; the prompt is the
-  answer's own prompt plus the answer and the question, so the engine's prefix cache reuses all of it
-  and the check costs a few dozen prompt tokens and one generated word). Small models answer an
-  unanswerable question from the nearest fact rather than say the documents do not say; grounding
-  (assistant/grounding.py) cannot catch that, because the nearby fact *is* in the passages. A "no"
-  turns the answer into a refusal in the orchestrator. The 0.5B model's own yes/no is not asked: it
-  says "yes" to nearly everything.
   A turn's document scope (`TurnState.scope`: the doc ids it may search and read, None = all) goes
   to the prefetch and, in the ToolContext, to the document tools (tools/retrieval.py); a document
   tool with nothing in scope is not offered, so an empty scope is a turn over an empty library.
@@ -50,8 +42,7 @@ from assistant.context import PromptParts, fit_prompt
 from assistant.counting import MAX_ITEMS, count_answer, counted_noun, section_items, supported_items
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
-from assistant.errors import AssistantError
-from assistant.routing import LARGE, Router
+from assistant.routing import Router
 from assistant.seams import InputGuard, StreamTransformer
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
 from tools.base import ToolContext, ToolResult
@@ -59,8 +50,6 @@ from tools.registry import ToolRegistry
 from tools.retrieval import SCOPE
 
 FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
-ANSWER_CHECK = ("Look at the passages again. Do they state the answer to my question, not only something "
-                "related to it? Reply with one word: yes or no.")
 FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in plain text, using the tool results "
                 "above. Do not write any tool call."}
 REPEATED_CALL = ("You already made exactly this call in this turn; its result is above. Change the arguments "
@@ -76,7 +65,6 @@ class AgentOptions:
     auto_retrieve: bool = True  # prefetch passages for the question before the first call (tools/retrieval.py)
     summarize_overflow: bool = False  # fold turns that no longer fit into a model-written summary (else drop them)
     max_observation_chars: int = 4000  # of one tool result shown to the model
-    answer_check: bool = True  # the large model says whether its passages state the answer (see the design note)
 
 
 class Emitter:
@@ -126,7 +114,6 @@ class TurnState:
         self.memory: dict[str, str] | None = None
         self.documents = False  # the conversation had documents to cite this turn
         self.prefer = ""  # the model the user chose for this turn ("small" / "large"; "" = routed per call)
-        self.answer_check = ""  # "yes" / "no": whether the model found the answer in its passages ("" = not asked)
 
     @property
     def text(self) -> str:
@@ -278,25 +265,6 @@ class AgentLoop:
                 offer_tools = False
                 yield Notice("The model could not write a valid tool call; it answers without tools.")
         yield from emitter.finish()
-        if (self.options.answer_check and turn.route == LARGE and turn.finish == "stop" and len(turn.ledger)
-                and emitter.said.strip()):
-            turn.answer_check = self._check_answer(route, plan.messages, emitter.said, cancel)
-
-    def _check_answer(self, route: Any, messages: list[Message], answer: str,
-                      cancel: threading.Event | None) -> str:
-        """"yes" or "no": whether the model says its passages state the answer (see the design note);
-        "" when it could not be asked (the engine failed: the answer stands, as without the check)."""
-        check = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": ANSWER_CHECK}]
-        notices: list[str] = []
-        try:
-            engine, stream = self.router.generate(route, check, SamplingParams(max_tokens=3), cancel=cancel,
-                                                  notices=notices)
-            said = "".join(d.text for d in stream).strip().lower()
-        except AssistantError:
-            return ""
-        if notices or engine is self.router.small:
-            return ""  # the large model went away meanwhile: the small one's yes/no is not worth asking
-        return "no" if said.startswith("no") else "yes"
 
     def _count(self, turn: TurnState, user: Message, found: Any, emitter: Emitter) -> Iterator[TurnEvent]:
         """A counting question over the prefetched section, counted in code (assistant/counting.py).

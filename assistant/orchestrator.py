@@ -45,7 +45,7 @@ from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
 from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, Transcribed,
                               TurnEvent, TurnStarted, Usage)
-from assistant.grounding import Evidence, facts_held, ground, refusal
+from assistant.grounding import Evidence, facts_held, ground
 from assistant.routing import Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
@@ -243,11 +243,6 @@ class Orchestrator:
             grounding = ground(final, Evidence(evidence), turn.ledger.passages)
             final = grounding.text
             meta.update(grounding.to_meta())
-            if turn.answer_check:  # the large model's own word on whether its passages state the answer
-                meta["answer_check"] = turn.answer_check
-                if turn.answer_check == "no" and not grounding.refused:
-                    meta["withheld_answer"] = final  # kept for the record (and the eval), never shown as the answer
-                    final = refusal(turn.ledger.passages)
         if len(turn.ledger) or turn.documents:
             check = verify_citations(final, turn.ledger, facts=facts_held)
             final = check.text
