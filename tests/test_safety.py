@@ -285,7 +285,9 @@ def test_the_loops_own_repeat_note_is_not_screened_as_tool_text(tmp_path, monkey
     assistant, engine = make_assistant(tmp_path, call, call, "It is 5.", tools=[AddTool()], safety=True)
     events = list(assistant.turn(None, "2+3"))
     assert not any(isinstance(e, SafetyVerdict) for e in events)
-    assert "already made exactly this call" in engine.prompts[2][-1]["content"]
+    note, last = engine.prompts[2][-2:]  # the repeat note, then the request to answer without tools
+    assert note["role"] == "tool" and "already made exactly this call" in note["content"]
+    assert last["role"] == "system" and engine.tools_seen[2] is None
     assert "untrusted data" not in "".join(m["content"] for m in engine.prompts[2])
     assert events[-1].text == "It is 5."
     assert len(engine.prompts) == 3  # the output guard held the short answer back; the loop still saw it

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "assistant:cancel"
 TURN_TTL_S = 3600  # longer than any turn runs; a crashed replica's record expires after it
+RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0  # the listener's pause after a failed read, doubling up to the max
 
 
 class RedisRunningTurns(RunningTurns):
@@ -33,6 +35,7 @@ class RedisRunningTurns(RunningTurns):
         super().__init__()
         self.client, self.prefix = client, prefix
         self.replica = uuid.uuid4().hex[:12]
+        self._retry_s, self._last_warning = RETRY_MIN_S, -1e9
         self._pubsub = client.pubsub(ignore_subscribe_messages=True)
         self._pubsub.subscribe(**{CHANNEL: self._on_cancel})
         self._thread = self._pubsub.run_in_thread(sleep_time=0.5, daemon=True, exception_handler=self._on_error)
@@ -70,6 +73,7 @@ class RedisRunningTurns(RunningTurns):
         self._pubsub.close()
 
     def _on_cancel(self, message: dict) -> None:
+        self._retry_s = RETRY_MIN_S  # connected again
         data = message.get("data")
         super().cancel(data.decode() if isinstance(data, bytes) else str(data))
 
@@ -83,9 +87,13 @@ class RedisRunningTurns(RunningTurns):
             log.warning("turn registry (Redis) unavailable: %s", e)
             return None
 
-    @staticmethod
-    def _on_error(exc: BaseException, pubsub: Any, thread: Any) -> None:
-        log.warning("turn cancel listener (Redis) failed: %s; reconnecting", exc)
-        import time
-
-        time.sleep(1)
+    def _on_error(self, exc: BaseException, pubsub: Any, thread: Any) -> None:
+        """Redis away: retry with a growing pause (at most RETRY_MAX_S), saying so once per outage
+        and then once a minute, not at every retry."""
+        now = time.monotonic()
+        if now - self._last_warning >= 60:
+            log.warning("turn cancel listener (Redis) failed: %s; retrying (cancels from other replicas "
+                        "do not reach this one meanwhile)", exc)
+            self._last_warning = now
+        self._retry_s = min(RETRY_MAX_S, self._retry_s * 2)
+        time.sleep(self._retry_s)
