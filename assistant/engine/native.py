@@ -29,10 +29,11 @@ order, built with -ffp-contract=off), so prefill rows through `quantize` + `torc
 `finish` are bit-identical to decode rows through `linear`, and batching never changes a row.
 
 Built with torch.utils.cpp_extension (g++ and ninja) into ~/.cache/assistant/native/<hash of the
-sources and flags>, once per source version: about a minute on 2 vCPUs. torch guards a build with a
-`lock` file that a killed build leaves behind, and the next build then waits for it forever (a CI run
-hung 85 minutes on one). So builders first take an flock on `build.flock` (the kernel drops it when a
-builder dies); whoever holds it knows no build is running and removes a leftover `lock`. Without AVX-512 VNNI, a compiler, or with ASSISTANT_NATIVE=0, the
+sources, their paths and the flags>, once per checkout and source version: about a minute on 2
+vCPUs. torch guards a build with a `lock` file that a killed build leaves behind, and the next build
+then waits for it forever (a CI run hung 85 minutes on one). So builders first take an flock on
+`build.flock` (the kernel drops it when a builder dies); whoever holds it knows no build is running
+and removes a leftover `lock`. Without AVX-512 VNNI, a compiler, or with ASSISTANT_NATIVE=0, the
 engine uses the PyTorch-op path instead (int8.py, model.py) and says why once.
 """
 
@@ -59,11 +60,12 @@ BUILD_WAIT_S = 900.0  # another process building the same sources: wait this lon
 
 
 def build_dir() -> Path:
-    """One directory per version of the sources and flags, so checkouts of different versions never
-    rebuild each other's kernel, and checkouts of the same version share one build."""
+    """One directory per checkout and version of the sources and flags: torch's build file names the
+    sources by absolute path, so two checkouts sharing a directory rebuild (and overwrite a loaded
+    .so) whenever the other one ran last."""
     digest = hashlib.sha256("\0".join(CFLAGS).encode())
     for path in SOURCES:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        digest.update(str(path.resolve()).encode() + b"\0" + path.read_bytes())
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "assistant" / "native" / digest.hexdigest()[:16]
 
