@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from assistant.citations import Passage, content_words, counted_noun, names, stem  # noqa: F401 - counted_noun is this module's API too
+from assistant.citations import Passage, content_words, counted_noun, names, stem  # noqa: F401 - API here too
 
 BULLET = re.compile(r"^\s*(?:[-*•·]|\d{1,3}[.)](?!\d)|\(\d{1,3}\))\s*")  # not "1.3 Design goals"
 MAX_ITEMS = 60  # a listing longer than this is not a count the section supports
@@ -47,8 +47,8 @@ WRAPPED = re.compile(r"^[a-z0-9/(\[`'\"_<*-]")  # how a wrapped line of an item 
 
 @dataclass
 class ItemList:
-    """One list in a section: its form, its items, and what introduces it (the lines before its first
-    item, and a table's header row)."""
+    """One list in a section: its form, its items, and what introduces it (the sentence before its
+    first item; for a table also its first header cell)."""
 
     form: str  # "table", "bullet", "option" or a repeated label such as "[Return code]"
     items: list[str]
@@ -112,7 +112,7 @@ def item_lists(text: str) -> list[ItemList]:
             j += 1
         rows = [line for line in lines[i:j] if not TABLE_RULE.match(line)]
         ruled = any(TABLE_RULE.match(line) for line in lines[i:j])
-        header = rows[0].strip("|").split("|")[0] if ruled else ""
+        header = rows[0].strip("|").split("|")[0] if ruled and rows else ""
         out.append(ItemList("table", rows[1:] if ruled else rows, lead_in(lines, i), header))
         i = j
     out.extend(bullet_runs(lines))

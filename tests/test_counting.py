@@ -165,3 +165,7 @@ def test_a_number_out_of_sequence_starts_a_new_list():
     section = "3. Modifiers\nThe available modifiers are as follows.\n1. NNN days\n2. NNN hours\n4. Examples"
     assert section_items(section, "modifiers", "3. Modifiers") == ["NNN days", "NNN hours"]  # not the headings
     assert section_items("Intro:\n1. a\n2. b\n3. c\n1. x\n2. y") == ["a", "b", "c"]  # a restart is a new list
+
+
+def test_a_table_of_rules_only_is_no_list():
+    assert section_items("Options\n|---|\n| --- | --- |\nSome prose.", "options", "Options") == []
