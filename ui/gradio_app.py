@@ -15,7 +15,7 @@ the conversation because a file dropped into a chat is usually about that chat (
 Open WebUI's chats), and it is the private choice: a file reaches every other conversation's search
 only when the user says so; a conversation's files go when the conversation is deleted. The
 "Documents" panel lists both kinds and removes the caller's own. Every file attached in a chat is also
-at /data in that chat's code sandbox (read-only), and data files that are not documents (CSV, JSON,
+at /data in that chat's code sandbox (read-only), and data files that are not documents (JSON, Parquet,
 ...) go only there, so "plot column B of the CSV I uploaded" works.
 API endpoints (for gradio_client and scripts):
   /chat   (message, history) -> (cleared textbox, history)   streaming, used by the web page
@@ -237,7 +237,7 @@ class WebChat:
             saved.append(target)
         from ingest.parse import is_supported
 
-        # data files (CSV, JSON, ...) are not documents: they are only for the code interpreter
+        # data files (JSON, Parquet, ...) are not documents: they are only for the code interpreter
         paths = [p for p in saved if is_supported(p)] if conversation_id else saved
         data = [p for p in saved if p not in paths]
         if conversation_id:
