@@ -413,7 +413,7 @@ def parse_docx(path: Path) -> ParsedDocument:
         else:
             text = block.text.strip()
             style = (block.style.name if block.style is not None else "") or ""
-            if style.startswith("Heading") or style == "Title":
+            if text and (style.startswith("Heading") or style == "Title"):
                 headings.append((offset, text))
             numbered = numbered + 1 if style.startswith("List Number") else 0
             if numbered:

@@ -372,7 +372,8 @@ def named_section(question: str) -> str:
 def section_hit(question: str, hits: Sequence[Any], named: str = "") -> Any | None:
     """The hit whose section a whole-section question is about: one whose heading is the section the
     question names, else one in the best hit's document whose heading names what is counted
-    ("3. Modifiers" for "how many modifiers"), else the best hit under a heading among the first three, else the best hit."""
+    ("3. Modifiers" for "how many modifiers"), else the best hit under a heading among the first
+    three, else the best hit."""
     if not hits:
         return None
     wanted = content_words(named)
