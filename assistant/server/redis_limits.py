@@ -82,12 +82,7 @@ class RedisLimiter(Limiter):
 
     @classmethod
     def from_url(cls, url: str) -> "RedisLimiter":
-        try:
-            import redis
-        except ImportError as e:
-            raise ConfigError("server.redis_url is set but the redis client is not installed: "
-                              "pip install -e '.[gateway]' (make does it).") from e
-        return cls(redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2))
+        return cls(redis_client(url, socket_timeout=2))
 
     def _keys(self, key_id: str) -> tuple[str, str, str]:
         base = f"{self._prefix}:{{{key_id}}}"
@@ -115,3 +110,14 @@ class RedisLimiter(Limiter):
 
     def close(self) -> None:
         self._client.close()
+
+
+def redis_client(url: str, *, socket_timeout: float) -> Any:
+    """A client for `server.redis_url` (the limiter's and the turn registry's), or a ConfigError that
+    says how to install the client library."""
+    try:
+        import redis
+    except ImportError as e:
+        raise ConfigError("server.redis_url is set but the redis client is not installed: "
+                          "pip install -e '.[gateway]' (make does it).") from e
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=2)

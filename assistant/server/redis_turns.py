@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from assistant.errors import ConfigError
+from assistant.server.redis_limits import redis_client
 from assistant.server.turns import RunningTurns
 
 log = logging.getLogger(__name__)
@@ -42,13 +43,11 @@ class RedisRunningTurns(RunningTurns):
 
     @classmethod
     def from_url(cls, url: str) -> "RedisRunningTurns":
+        client = redis_client(url, socket_timeout=5)  # a ConfigError when the library is missing
+        import redis
+
         try:
-            import redis
-        except ImportError as e:
-            raise ConfigError("server.redis_url is set but the redis client is not installed: "
-                              "pip install -e '.[gateway]' (make does it).") from e
-        try:
-            return cls(redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2))
+            return cls(client)
         except redis.RedisError as e:
             raise ConfigError(f"server.redis_url is set, but Redis at {url} cannot be reached ({e}): start it, "
                               "or unset server.redis_url for a single server.") from e
