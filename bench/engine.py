@@ -7,6 +7,12 @@ Figures (each a ratio measured in this run; absolute times swing 2-3x on a share
   decode_vs_llamacpp           ... divided by llama-cpp-python on the packaged GGUF (goal >= 1; null if absent)
   batch8_vs_hf_sequential      8 staggered requests, aggregate tok/s vs the same 8 through generate()
                                one after another                                    (goal >= 4)
+  batch8_decode_vs_batch1      decode-only aggregate tok/s of 8 concurrent streams (tokens counted in the
+                               window where all 8 are past their prefill and still decoding) over 1
+                               stream's decode rate, same run                       (issue 18 goal >= 5;
+                               also batch4_/batch16_decode_vs_batch1)
+  step_ms_by_rows              the model's step time (layers + screened greedy head) for R decode rows, each
+                               its own sequence at 300 tokens of context, over a 1-row step (medians)
   itl_p95_under_prefill_ratio  p95 inter-token latency of a stream while a 512-token prompt prefills,
                                over its batch-1 median                              (goal <= 2.5)
   prefix_ttft_ratio            TTFT with a 512-token prefix cached / cold            (goal <= 0.10)
@@ -157,6 +163,62 @@ def staggered(engine, prompts, params, gap_s: float) -> float:
     for t in threads:
         t.join()
     return sum(counts) / (time.perf_counter() - start)
+
+
+def decode_only_rate(engine, prompts, params) -> float:
+    """Aggregate tok/s of len(prompts) concurrent streams, counted only in the window where every stream
+    is past its prefill (has its first token) and none has finished: pure decode steps of that many rows."""
+    stamps: list[list[float]] = [[] for _ in prompts]
+
+    def run(i):
+        for d in engine.generate(prompts[i], params):
+            stamps[i].extend([time.perf_counter()] * len(d.token_ids))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    t0, t1 = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    return sum(1 for s in stamps for t in s if t0 < t <= t1) / (t1 - t0)
+
+
+def step_curve(engine, rows: list[int], context: int = 300, rounds: int = 3) -> dict[int, float]:
+    """Median seconds of one decode step (every layer and the screened greedy head) with R rows, each row
+    its own sequence at `context` tokens of real text, straight through the model (no scheduler)."""
+    from assistant.engine.kv_cache import KVCache
+    from assistant.engine.model import SeqBatch
+
+    model, a = engine.model, engine.model.args
+    span = context + 8 * rounds + 16
+    kv = KVCache(a.num_layers, max(rows) * span // 16 + 1, 16, a.num_kv_heads, a.head_dim, model.dtype, engine.device)
+    text = engine.encode(chat(" ".join(QUESTIONS) * 40))
+    ctx, last = [], []
+    with torch.inference_mode():
+        for b in range(max(rows)):
+            ids = text[b * 31: b * 31 + context]
+            slots = torch.arange(b * span, b * span + context)
+            x = model.last_hidden(torch.tensor(ids), torch.arange(context), [SeqBatch(0, context, context, slots, context)], kv)
+            last.append(int(model.lm_head(x).argmax()))
+            ctx.append(context)
+
+        def step(r: int) -> float:
+            seqs = [SeqBatch(b, 1, ctx[b] + 1, torch.arange(b * span, b * span + ctx[b] + 1), context) for b in range(r)]
+            start = time.perf_counter()
+            x = model.last_hidden(torch.tensor(last[:r]), torch.tensor(ctx[:r]), seqs, kv)
+            logits = model.lm_head.greedy_logits(x, torch.ones(r, dtype=torch.bool))
+            took = time.perf_counter() - start
+            for b in range(r):
+                last[b], ctx[b] = int(logits[b].argmax()), ctx[b] + 1
+            return took
+
+        times: dict[int, list[float]] = {r: [] for r in rows}
+        for r in rows:  # warm-up
+            step(r)
+        for _ in range(rounds):  # interleaved, so a noisy neighbour hits every R alike
+            for r in rows:
+                times[r].append(step(r))
+    return {r: statistics.median(t) for r, t in times.items()}
 
 
 def itl_under_prefill(engine, long_prompt, new_tokens: int) -> tuple[float, float]:
@@ -330,6 +392,24 @@ def main() -> None:
     seq = len(prompts) * n8 / seq_time
     results.update(batch8_tok_s=round(agg, 2), hf_sequential_tok_s=round(seq, 2), batch8_vs_hf_sequential=round(agg / seq, 3))
     print(f"8 staggered requests: {agg:.2f} tok/s vs sequential generate() {seq:.2f} tok/s -> {agg / seq:.2f}x")
+
+    # 2b. decode-only aggregate rate at 1, 4, 8 and 16 concurrent streams, and the step-time curve behind it
+    nd = 24 if args.quick else 48
+    pd = SamplingParams(max_tokens=nd, ignore_eos=True)
+    many = [chat(f"{q} (variant {i})") for i in range(2) for q in QUESTIONS]
+    one = max(decode_only_rate(engine, many[:1], pd) for _ in range(2))
+    for n in (4, 8, 16):
+        rate = decode_only_rate(engine, many[:n], pd)
+        results[f"batch{n}_decode_tok_s"] = round(rate, 2)
+        results[f"batch{n}_decode_vs_batch1"] = round(rate / one, 3)
+        print(f"decode only, {n} streams: {rate:.1f} tok/s aggregate vs 1 stream {one:.1f} tok/s -> {rate / one:.2f}x")
+    results["batch1_decode_tok_s"] = round(one, 2)
+    if engine.model is not None and engine.quantize == "int8":
+        curve = step_curve(engine, [1, 2, 4, 8, 12, 16], rounds=2 if args.quick else 3)
+        results["step_ms_by_rows"] = {r: round(t * 1e3, 1) for r, t in curve.items()}
+        results["step_vs_1row"] = {r: round(t / curve[1], 2) for r, t in curve.items()}
+        print("step time by decode rows (300 tokens of context each): " +
+              ", ".join(f"{r}: {t * 1e3:.1f} ms ({t / curve[1]:.2f}x)" for r, t in curve.items()))
 
     # 3. inter-token latency of a running stream while a 512-token prompt is prefilled
     long_prompt = [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 50}]

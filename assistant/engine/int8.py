@@ -83,7 +83,7 @@ class Linear:
             on_cpu = self.weight.device.type == "cpu"
             if on_cpu and dtype == torch.float32 and (ext := int8_kernels()) is not None:
                 self.native = ext  # the fused kernel (native.py); the int8 weights above serve prefill
-                self.vnni, self.comp = ext.pack(self.weight)
+                self.vnni = ext.pack(self.weight)
                 self.bias = None if bias is None else self.bias.contiguous()  # the kernel reads it raw
             elif on_cpu and fbgemm_matches_int_mm():
                 self.packed = fbgemm_pack(self.weight, self.scale)
@@ -145,15 +145,15 @@ class Linear:
         quantization and epilogue: the same arithmetic, so the same row either way."""
         refine, refined = (rows.refine, rows.num_refined) if rows is not None else (all_rows(x.size(0)), x.size(0))
         if x.size(0) + refined <= self.native.MAX_ROWS:
-            return self.native.linear(x, self.vnni, self.comp, self.scale, self.bias, refine)
+            return self.native.linear(x, self.vnni, self.scale, self.bias, refine)
         xq, x_scale = self.native.quantize(x, refine)
         return self.native.finish(torch._int_mm(xq, self.weight.t()), self.scale, x_scale, refine, self.bias)
 
     def prepare_greedy(self) -> None:
         """Pack the 4-bit screening copy for `greedy_logits` (native int8 only; +half the int8 bytes)."""
         if self.native is not None:
-            packed, hcomp, mean, sd = self.native.head_pack(self.weight)
-            self.screen = (packed, hcomp, mean, (sd * self.scale).contiguous())
+            packed, mean, sd = self.native.head_pack(self.weight)
+            self.screen = (packed, mean, (sd * self.scale).contiguous())
 
     def greedy_logits(self, x: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
         """Logits whose argmax is the full layer's for the rows in `greedy` (bool (n,)), reading half the
@@ -161,10 +161,10 @@ class Linear:
         rows get the full layer. Used for the lm_head of greedy decode rows."""
         if self.screen is None or not bool(greedy.any()):
             return self(x)
-        packed, hcomp, mean, margin = self.screen
+        packed, mean, margin = self.screen
         every = bool(greedy.all())
-        logits, counts = self.native.head_greedy(x if every else x[greedy], packed, hcomp, mean, margin, self.weight,
-                                                 self.comp, self.scale, self.bias, SCREEN_Z)
+        logits, counts = self.native.head_greedy(x if every else x[greedy], packed, mean, margin, self.weight,
+                                                 self.scale, self.bias, SCREEN_Z)
         self.screened_rows += counts.numel()
         self.screened_candidates += int(counts.sum())
         if every:

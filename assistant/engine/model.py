@@ -140,7 +140,7 @@ class Transformer:
         self.stack = None
         if self.ops is not None and all(layer[n].native is not None for layer in self.layers for n in LINEARS):
             def tensors(lin: Linear) -> list[torch.Tensor]:
-                return [lin.vnni, lin.comp, lin.scale, lin.weight, torch.empty(0) if lin.bias is None else lin.bias]
+                return [lin.vnni, lin.scale, lin.weight, torch.empty(0) if lin.bias is None else lin.bias]
 
             self.stack = self.ops.DecodeStack([[layer["attn_norm"], layer["mlp_norm"],
                                                 *(t for n in LINEARS for t in tensors(layer[n]))] for layer in self.layers])

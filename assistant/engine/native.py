@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.cpp", "lm_head.cpp", "layer_ops.cpp", "decode_stack.cpp")]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off"]
+CFLAGS = ["-std=c++20", "-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off"]
 
 
 BUILD_WAIT_S = 900.0  # another process building the same sources: wait this long, then use PyTorch ops

@@ -36,7 +36,7 @@ NOTE — how it works and how it decides (engine.speculation = "prompt_lookup", 
     worth and the engine keeps the prefix of j drafts that maximises (G + their worth) / t(R + j), the
     step's expected tokens per second; j = 0 (plain decoding) whenever no prefix beats it.
   * per sequence, k is also capped: + 2 after a fully accepted run, - 1 after a rejection, within
-    [1, K_MAX] (K_MAX keeps a verifying sequence within the 16 GEMM rows of the fused int8 linear).
+    [1, K_MAX] (K_MAX keeps a verifying sequence within half the 32 GEMM rows of the fused int8 linear).
   Under load this lowers k and then turns speculation off by itself: with G sequences in the step a
   draft adds alpha^i / G to the step's tokens but its row's full share to the step's time, so only
   near-certain drafts pay in a big batch. The scheduler gives drafts only the token budget and free KV
@@ -60,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-K_MAX = 7  # drafts per sequence per step: 1 + 7 rows (and their residual rows) fit the fused linear's 16
+K_MAX = 7  # drafts per sequence per step: 1 + 7 rows and their residual rows, half the fused linear's 32
 K_INIT = 3  # cap on a sequence's first drafts
 N_MAX, N_MIN = 3, 1  # n-gram lengths matched, longest first
 PRIOR = (1.0, 1.0)  # (accepted, rejected) pseudo-counts per match length: alpha = 0.5 before any evidence

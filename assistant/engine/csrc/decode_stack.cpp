@@ -12,12 +12,12 @@
 namespace {
 
 struct Int8Linear {  // int8.py Linear with the native kernel: VNNI layout, correction, scales, int8 rows, bias
-  torch::Tensor packed, comp, ws, weight;
+  torch::Tensor packed, ws, weight;
   c10::optional<torch::Tensor> bias;
 
   // Linear._native: the fused kernel up to MAX_ROWS GEMM rows, else quantize + torch._int_mm + finish
   torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& refine, int64_t refined) const {
-    if (x.size(0) + refined <= int8k::MAX_ROWS) return linear(x, packed, comp, ws, bias, refine);
+    if (x.size(0) + refined <= int8k::MAX_ROWS) return linear(x, packed, ws, bias, refine);
     auto q = quantize(x, refine);
     return finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias);
   }
@@ -30,16 +30,15 @@ struct Layer {
 
 class DecodeStack {
  public:
-  // per layer: attn_norm, mlp_norm, then (packed, comp, scale, weight, bias or an empty tensor) for qkv, o,
-  // gate_up, down
+  // per layer: attn_norm, mlp_norm, then (packed, scale, weight, bias or an empty tensor) for qkv, o, gate_up,
+  // down
   explicit DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers) {
     for (const auto& t : layers) {
-      TORCH_CHECK(t.size() == 22, "DecodeStack: 22 tensors per layer");
+      TORCH_CHECK(t.size() == 18, "DecodeStack: 18 tensors per layer");
       auto lin = [&](size_t i) {
-        return Int8Linear{t[i], t[i + 1], t[i + 2], t[i + 3],
-                          t[i + 4].numel() ? c10::optional<torch::Tensor>(t[i + 4]) : c10::nullopt};
+        return Int8Linear{t[i], t[i + 1], t[i + 2], t[i + 3].numel() ? c10::optional<torch::Tensor>(t[i + 3]) : c10::nullopt};
       };
-      layers_.push_back(Layer{t[0], t[1], lin(2), lin(7), lin(12), lin(17)});
+      layers_.push_back(Layer{t[0], t[1], lin(2), lin(6), lin(10), lin(14)});
     }
   }
 

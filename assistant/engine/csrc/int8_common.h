@@ -10,21 +10,42 @@
 namespace int8k {
 
 constexpr int64_t BLOCK = 64;    // outputs per packed block: 4 zmm accumulators of 16 int32
-constexpr int64_t MAX_ROWS = 16;  // GEMM rows one `linear` call takes (activation + residual rows)
+constexpr int64_t MAX_ROWS = 32;  // GEMM rows one `linear` call takes (activation + residual rows)
+constexpr int TILE_ROWS = 6;      // rows per pass over a block: 6 x 4 accumulators + 4 weight vectors fit in 32 zmm
 constexpr float RESIDUAL_STEP = 1.f / 254.f;
 
-// Per-row quantization into s8 (q) and the residual at 1/254 of the step (r, when r_out is given).
-inline void quantize_row(const float* x, int64_t K, float* scale_out, int8_t* q_out, int8_t* r_out) {
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
-  const float s = std::max(amax, 1e-8f) / 127.f;
+inline __mmask16 tail_mask(int64_t remaining) {  // lanes of a 16-wide chunk that lie inside the row
+  return remaining >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+struct RowSums {  // sums of a quantized row's bytes (the +128 weights' correction is 128 times them)
+  int32_t q, r;
+};
+
+// Per-row quantization into s8 (q) and the residual at 1/254 of the step (r, when r_out is given), 16 lanes at
+// a time: x / s, round half to even, (u - q) * 254, round: the same IEEE operations as one element at a time.
+inline RowSums quantize_row(const float* x, int64_t K, float* scale_out, int8_t* q_out, int8_t* r_out) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail_mask(K - k), x + k)));
+  const float s = std::max(_mm512_reduce_max_ps(amax), 1e-8f) / 127.f;
   *scale_out = s;
-  for (int64_t k = 0; k < K; ++k) {
-    const float u = x[k] / s;
-    const float q = std::nearbyint(u);
-    q_out[k] = static_cast<int8_t>(q);
-    if (r_out) r_out[k] = static_cast<int8_t>(std::nearbyint((u - q) * 254.f));
+  const __m512 sv = _mm512_set1_ps(s), step = _mm512_set1_ps(254.f);
+  constexpr int NEAREST = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512i sq = _mm512_setzero_si512(), sr = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);
+    const __m512 u = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), sv);
+    const __m512 q = _mm512_roundscale_ps(u, NEAREST);
+    const __m512i qi = _mm512_maskz_cvtps_epi32(m, q);
+    _mm512_mask_cvtepi32_storeu_epi8(q_out + k, m, qi);
+    sq = _mm512_add_epi32(sq, qi);
+    if (r_out) {
+      const __m512i ri = _mm512_maskz_cvtps_epi32(m, _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(u, q), step), NEAREST));
+      _mm512_mask_cvtepi32_storeu_epi8(r_out + k, m, ri);
+      sr = _mm512_add_epi32(sr, ri);
+    }
   }
+  return {_mm512_reduce_add_epi32(sq), _mm512_reduce_add_epi32(sr)};
 }
 
 // y[0:16] for one row from int32 accumulators (a1 == nullptr: one-pass row).
@@ -56,8 +77,48 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __mmask16 tail_mask(int64_t remaining) {  // lanes of a 16-wide chunk that lie inside the row
-  return remaining >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << remaining) - 1);
+// acc[r][j] += w_j . x_r over the words kg in [0, n) of R <= TILE_ROWS rows: `load(kg, w)` gives the kg-th four
+// vectors of 64 outputs x 4 inputs as *unsigned* bytes (weights + 128, or the head's nibbles); the activations
+// are signed bytes, 4 to an int32 word, row r's words at x + r * xs, broadcast as vpdpbusd's memory operand (no
+// register of its own). Every register-resident accumulator stays exact int32 (|sum| < 2^31 for K < 2^14).
+template <int R, class Load>
+inline void dot_tile(const Load& load, const int32_t* x, int64_t xs, int64_t n, __m512i (&acc)[R][4]) {
+  static_assert(R >= 1 && R <= TILE_ROWS, "dot_tile: at most TILE_ROWS rows");
+  for (int64_t kg = 0; kg < n; ++kg) {
+    __m512i w[4];
+    load(kg, w);
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(x[r * xs + kg]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w[j], xv);
+    }
+  }
 }
+
+// Calls f.template operator()<R>() for the run-time R in [1, TILE_ROWS] (the tile kernels are templates on R).
+template <class F>
+inline void dispatch_rows(int64_t R, F&& f) {
+  switch (R) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    default: break;
+  }
+}
+
+// Splits `total` rows into the fewest tiles of at most TILE_ROWS rows, as even as they go (8 rows: 4 + 4, not
+// 6 + 2: a thin tile pays the weight loads of a full one), calling f(first row, rows) for each.
+template <class F>
+inline void for_each_tile(int64_t total, F&& f) {
+  const int64_t tiles = (total + TILE_ROWS - 1) / TILE_ROWS;
+  for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+    const int64_t rows = total / tiles + (t < total % tiles);
+    f(r0, rows);
+    r0 += rows;
+  }
+}
+
 
 }  // namespace int8k

@@ -1,4 +1,4 @@
-// int8 linear layers for the engine's decode steps: AVX-512 VNNI GEMV with the row quantization and the
+// int8 linear layers for the engine's decode steps: AVX-512 VNNI GEMV/GEMM with the row quantization and the
 // epilogue fused into one call (see assistant/engine/native.py for why this is hand-written).
 //
 // Arithmetic, identical on every path so that a row's output never depends on the kernel or the batch:
@@ -9,6 +9,19 @@
 //   y      = ((float(a0) * ws) + (float(a1) * ws) * (1/254)) * s + bias     (one-pass rows: float(a0) * ws * s + bias)
 // `quantize` + torch._int_mm + `finish` (prefill) and `linear` (<= MAX_ROWS rows) both compute exactly this;
 // IEEE operations in a fixed order, built with -ffp-contract=off so no FMA can change a rounding.
+//
+// Design note: rows at the cost of one. A step with R decode rows (streams, speculated tokens) is 2R GEMM rows
+// (each with its residual row). The weights are streamed from memory once per step whatever R is; the
+// multiply-adds grow with R. `vpdpbusd` takes unsigned bytes in its register operand and signed bytes in its
+// broadcastable memory operand, so the weights are stored as w + 128 (unsigned) and the activations stay
+// signed: (w + 128) . q = w . q + 128 sum(q), one correction per row instead of per output, and each row's
+// broadcast rides on the instruction (no register, no extra uop). A tile of TILE_ROWS rows x 64 outputs keeps
+// 24 accumulators and the 4 weight vectors in the 32 zmm registers (8 rows spilled: the old kernel's 8-row
+// pass cost 2.3x its 4-row pass). Past one tile, a block's K runs in chunks of CHUNK words (8 KB of weights,
+// L1-resident): every tile passes over a chunk, its accumulators parked in an L1 buffer between chunks, and
+// only the first tile of a chunk prefetches ahead, so the memory stream keeps flowing under the multiply-adds
+// instead of waiting for them pass by pass (the old kernel re-read a whole block from L2 per 8-row pass).
+// Measured by bench/engine.py's step curve (native.py has the figures).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,36 +35,35 @@ namespace {
 
 using int8k::BLOCK;
 using int8k::MAX_ROWS;
+using int8k::TILE_ROWS;
 using int8k::epilogue16;
 using int8k::quantize_row;
 using int8k::tail_mask;
 
 constexpr int64_t PREFETCH = 8192;  // bytes ahead of the weight stream (measured: 4-8 KB best here)
-constexpr int64_t GROUP = 8;        // GEMM rows per pass over a block (measured: one pass of 8 rows beats two of 4)
+constexpr int64_t CHUNK = 32;       // K words per chunk when a block takes several tiles: 8 KB of weights
 
-// R (<= GROUP) rows of one block of 64 outputs: weights packed as (K4, 64, 4) int8, x as R rows of K4 u8x4
-// words; exact int32 dot products into out[r][0:64].
+// Rows r0 .. r0 + R over K words [k0, k0 + n) of one block (w: the block's packed bytes): accumulators read
+// from and written back to acc (zeroed when k0 == 0); the first tile of a chunk prefetches the stream ahead.
 template <int R>
-void group(const int8_t* w, const int32_t* xb, int64_t K4, const int32_t* comp, int32_t (*out)[BLOCK]) {
-  __m512i acc[R][4];
+void tile_chunk(const uint8_t* w, const int32_t* x, int64_t K4, int64_t k0, int64_t n, bool prefetch,
+                int32_t (*acc)[BLOCK]) {
+  __m512i a[R][4];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
-  for (int64_t kg = 0; kg < K4; ++kg) {
-    const int8_t* p = w + kg * 256;
-    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
-    const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64), w2 = _mm512_loadu_si512(p + 128),
-                  w3 = _mm512_loadu_si512(p + 192);
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(xb[r * K4 + kg]);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xv, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xv, w1);
-      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], xv, w2);
-      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], xv, w3);
-    }
-  }
-  for (int r = 0; r < R; ++r)  // (q + 128) . w - 128 * sum(w) == q . w, exactly
-    for (int j = 0; j < 4; ++j)
-      _mm512_store_si512(out[r] + 16 * j, _mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(comp + 16 * j)));
+    for (int j = 0; j < 4; ++j) a[r][j] = k0 ? _mm512_load_si512(acc[r] + 16 * j) : _mm512_setzero_si512();
+  const uint8_t* base = w + k0 * 256;
+  auto load = [&](int64_t kg, __m512i (&v)[4], auto pf) {
+    const uint8_t* p = base + kg * 256;
+    if constexpr (decltype(pf)::value)
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(p + 64 * j);
+  };
+  if (prefetch)
+    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) { load(kg, v, std::true_type{}); }, x + k0, K4, n, a);
+  else
+    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) { load(kg, v, std::false_type{}); }, x + k0, K4, n, a);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_store_si512(acc[r] + 16 * j, a[r][j]);
 }
 
 struct Rows {
@@ -60,33 +72,33 @@ struct Rows {
   int64_t total;              // GEMM rows: activation rows + residual rows
 };
 
-// One block of 64 outputs for every GEMM row, GROUP rows per pass over the block's weights (the first pass
-// streams them from memory, the next ones find them in L2), int32 results into acc (MAX_ROWS x 64), then
-// the epilogue of each activation row with its residual row.
-void run_blocks(const Rows& rows, const int8_t* packed, const int32_t* xb, int64_t K4, const int32_t* comp,
+// Every GEMM row over blocks [b0, b1) of 64 outputs (see the design note), then the epilogue of each activation
+// row with its residual row. corr[g] = 128 * sum of GEMM row g's bytes (the weights' +128).
+void run_blocks(const Rows& rows, const uint8_t* packed, const int32_t* xb, int64_t K4, const int32_t* corr,
                 const float* ws, const float* xscale, const float* bias, float* out, int64_t N, int64_t b0, int64_t b1) {
   alignas(64) int32_t acc[MAX_ROWS][BLOCK];
+  const int64_t chunk = rows.total <= TILE_ROWS ? K4 : CHUNK;
   for (int64_t b = b0; b < b1; ++b) {
-    const int8_t* wb = packed + b * K4 * 256;
-    for (int64_t r0 = 0; r0 < rows.total; r0 += GROUP) {
-      switch (std::min(GROUP, rows.total - r0)) {
-#define CASE(R) case R: group<R>(wb, xb + r0 * K4, K4, comp + b * BLOCK, acc + r0); break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#undef CASE
-        default: break;
-      }
+    const uint8_t* wb = packed + b * K4 * 256;
+    for (int64_t k0 = 0; k0 < K4; k0 += chunk) {
+      const int64_t n = std::min(chunk, K4 - k0);
+      int8k::for_each_tile(rows.total, [&](int64_t r0, int64_t R) {
+        int8k::dispatch_rows(R, [&]<int T>() { tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, r0 == 0, acc + r0); });
+      });
     }
     for (int64_t i = 0; i < rows.n; ++i) {
       const __m512 s = _mm512_set1_ps(xscale[i]);
+      const bool two_pass = rows.res[i] >= 0;
+      const __m512i c0 = _mm512_set1_epi32(corr[i]), c1 = _mm512_set1_epi32(two_pass ? corr[rows.res[i]] : 0);
       for (int j = 0; j < 4; ++j) {
         const int64_t col = b * BLOCK + 16 * j;
         if (col >= N) break;
         const __mmask16 m = tail_mask(N - col);
         const __m512 ws16 = _mm512_maskz_loadu_ps(m, ws + col);
-        const bool two_pass = rows.res[i] >= 0;
-        const __m512i a1 = two_pass ? _mm512_load_si512(acc[rows.res[i]] + 16 * j) : _mm512_setzero_si512();
-        const __m512 y = epilogue16(_mm512_load_si512(acc[i] + 16 * j), two_pass ? &a1 : nullptr, ws16, s,
-                                    bias ? bias + col : nullptr, m);
+        const __m512i a1 = two_pass ? _mm512_sub_epi32(_mm512_load_si512(acc[rows.res[i]] + 16 * j), c1)
+                                    : _mm512_setzero_si512();
+        const __m512 y = epilogue16(_mm512_sub_epi32(_mm512_load_si512(acc[i] + 16 * j), c0), two_pass ? &a1 : nullptr,
+                                    ws16, s, bias ? bias + col : nullptr, m);
         _mm512_mask_storeu_ps(out + i * N + col, m, y);
       }
     }
@@ -103,8 +115,7 @@ Rows make_rows(const torch::Tensor& refine, int64_t n) {  // refine: bool (n,) r
 
 }  // namespace
 
-// int8 (N, K) weights -> (blocks, K4, 64, 4) int8 VNNI layout (N padded to 64, K to 4 with zeros) and
-// comp = 128 * row sums (int32, padded N), the correction for the kernel's unsigned activations.
+// int8 (N, K) weights -> zeros-padded (N to BLOCK outputs, K to 4 inputs)
 torch::Tensor pad_weights(torch::Tensor w) {
   TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2, "the int8 kernels want int8 (N, K) weights");
   const int64_t N = w.size(0), K = w.size(1);
@@ -113,12 +124,13 @@ torch::Tensor pad_weights(torch::Tensor w) {
   return padded;
 }
 
-std::vector<torch::Tensor> pack(torch::Tensor w) {
+// int8 (N, K) weights -> w + 128 as u8 in the VNNI block layout (blocks, K4, 64, 4) (padding: 128, against
+// activations that are 0 there)
+torch::Tensor pack(torch::Tensor w) {
   auto padded = pad_weights(w);
   const int64_t Np = padded.size(0), Kp = padded.size(1);
-  auto comp = (padded.to(torch::kInt32).sum(1) * 128).to(torch::kInt32).contiguous();
-  auto packed = padded.view({Np / BLOCK, BLOCK, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
-  return {packed, comp};
+  auto u = (padded.to(torch::kInt16) + 128).to(torch::kUInt8);
+  return u.view({Np / BLOCK, BLOCK, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
 }
 
 // x fp32 (n, K), refine bool (n,) -> int8 (n + refined, K) rows for torch._int_mm, row scales fp32 (n,)
@@ -128,9 +140,13 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine) {
   const Rows rows = make_rows(refine, n);
   auto xq = torch::empty({rows.total, K}, x.options().dtype(torch::kInt8));
   auto scale = torch::empty({n}, x.options());
-  for (int64_t i = 0; i < n; ++i)
-    quantize_row(x.data_ptr<float>() + i * K, K, scale.data_ptr<float>() + i, xq.data_ptr<int8_t>() + i * K,
-                 rows.res[i] >= 0 ? xq.data_ptr<int8_t>() + rows.res[i] * K : nullptr);
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_row(xp + i * K, K, sp + i, qp + i * K, rows.res[i] >= 0 ? qp + rows.res[i] * K : nullptr);
+  });
   return {xq, scale};
 }
 
@@ -164,37 +180,38 @@ torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, 
 }
 
 // The fused decode linear: x fp32 (n, K) -> fp32 (n, N), n + refined rows <= MAX_ROWS.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor ws,
-                     c10::optional<torch::Tensor> bias, torch::Tensor refine) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor ws, c10::optional<torch::Tensor> bias,
+                     torch::Tensor refine) {
   x = x.contiguous();
   const int64_t n = x.size(0), K = x.size(1), K4 = packed.size(1), blocks = packed.size(0), N = ws.size(0);
+  TORCH_CHECK(packed.dtype() == torch::kUInt8, "linear: packed weights come from `pack`");
   TORCH_CHECK(K4 * 4 >= K && K4 * 4 - K < 4, "linear: activations do not match the packed weights");
   const Rows rows = make_rows(refine, n);
   const int64_t total = rows.total;
   TORCH_CHECK(total <= MAX_ROWS, "linear takes at most ", MAX_ROWS, " GEMM rows");
   std::vector<int8_t> q(total * K4 * 4, 0);  // padded K stays 0
   std::vector<float> xscale(n);
-  for (int64_t i = 0; i < n; ++i)
-    quantize_row(x.data_ptr<float>() + i * K, K, &xscale[i], q.data() + i * K4 * 4,
-                 rows.res[i] >= 0 ? q.data() + rows.res[i] * K4 * 4 : nullptr);
-  // q + 128 as u8; padded K becomes 128 too, against zero weights that comp also counts as zero
-  for (auto& v : q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);
+  std::vector<int32_t> corr(total);  // 128 * sum(q) per GEMM row: the weights' + 128
+  for (int64_t i = 0; i < n; ++i) {
+    const bool two_pass = rows.res[i] >= 0;
+    const int8k::RowSums sums = quantize_row(x.data_ptr<float>() + i * K, K, &xscale[i], q.data() + i * K4 * 4,
+                                             two_pass ? q.data() + rows.res[i] * K4 * 4 : nullptr);
+    corr[i] = 128 * sums.q;
+    if (two_pass) corr[rows.res[i]] = 128 * sums.r;
+  }
   auto out = torch::empty({n, N}, x.options());
   const int32_t* xb = reinterpret_cast<const int32_t*>(q.data());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    const int8_t* pp = packed.data_ptr<int8_t>();
-    const int32_t* cp = comp.data_ptr<int32_t>();
-    const float* wsp = ws.data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    run_blocks(rows, pp, xb, K4, cp, wsp, xscale.data(), bp, op, N, b0, b1);
+    run_blocks(rows, packed.data_ptr<uint8_t>(), xb, K4, corr.data(), ws.data_ptr<float>(), xscale.data(), bp,
+               out.data_ptr<float>(), N, b0, b1);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();  // steps run on the engine thread
-  m.def("pack", &pack, nogil, "int8 (N, K) -> VNNI-packed weights and the u8 correction");
+  m.def("pack", &pack, nogil, "int8 (N, K) -> VNNI-packed weights + 128 (u8)");
   m.def("quantize", &quantize, nogil, "rows -> int8 GEMM rows (with residual rows) and row scales");
   m.def("finish", &finish, nogil, "int32 accumulators -> fp32 outputs");
   m.def("linear", &linear, nogil, "fused decode linear (quantize, VNNI GEMV, epilogue)");

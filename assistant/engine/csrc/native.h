@@ -6,17 +6,17 @@
 
 // int8_linear.cpp
 torch::Tensor pad_weights(torch::Tensor w);  // int8 (N, K) -> zeros-padded (N to BLOCK outputs, K to 4 inputs)
-std::vector<torch::Tensor> pack(torch::Tensor w);
+torch::Tensor pack(torch::Tensor w);
 std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine);
 torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, torch::Tensor refine,
                      c10::optional<torch::Tensor> bias);
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor comp, torch::Tensor ws,
-                     c10::optional<torch::Tensor> bias, torch::Tensor refine);
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor ws, c10::optional<torch::Tensor> bias,
+                     torch::Tensor refine);
 // lm_head.cpp
 std::vector<torch::Tensor> head_pack(torch::Tensor w);
-std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor hcomp, torch::Tensor mean,
-                                       torch::Tensor margin, torch::Tensor weight, torch::Tensor comp, torch::Tensor ws,
-                                       c10::optional<torch::Tensor> bias, double z);
+std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor mean, torch::Tensor margin,
+                                       torch::Tensor weight, torch::Tensor ws, c10::optional<torch::Tensor> bias,
+                                       double z);
 // layer_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
