@@ -15,7 +15,59 @@
 
 namespace {
 
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+// 16 vectors -> one vector whose lane c is the sum of a[c]'s lanes (a is clobbered). Pairs merge level by level:
+// the even and the odd lanes of (a[2i], a[2i + 1]) side by side, added, so each level halves the vectors and
+// keeps the lanes in order: 15 merges of 3 instructions for 16 sums, where 16 horizontal sums take ~8 each.
+inline __m512 sum16(__m512 (&a)[16]) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int n = 16; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      a[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], even, a[2 * i + 1]),
+                           _mm512_permutex2var_ps(a[2 * i], odd, a[2 * i + 1]));
+  return a[0];
+}
+
+// out_j = inv_j * sum_c p_j[c] v_c for the G query heads of kv head g (p: G rows of `visible` weights; out: G
+// rows of hd). With hd = 16 V known at compile time, 16 / V heads share each pass over the values (a value load
+// feeds all of them; their accumulators fit in registers); `V == 0`: any head dim, one head per pass.
+template <int V>
+void weigh_values(const float* p, int64_t visible, int64_t G, const float* vp, const int64_t* ctx_slots, int64_t KVH,
+                  int64_t g, int64_t hd, const float* inv, float* out) {
+  if constexpr (V == 0) {
+    for (int64_t j = 0; j < G; ++j) {
+      __m512 o[16];
+      for (int64_t v = 0; v < hd / 16; ++v) o[v] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < visible; ++c) {
+        const float* val = vp + (ctx_slots[c] * KVH + g) * hd;
+        const __m512 pc = _mm512_set1_ps(p[j * visible + c]);
+        for (int64_t v = 0; v < hd / 16; ++v) o[v] = _mm512_fmadd_ps(pc, _mm512_loadu_ps(val + 16 * v), o[v]);
+      }
+      for (int64_t v = 0; v < hd / 16; ++v) _mm512_storeu_ps(out + j * hd + 16 * v, _mm512_mul_ps(o[v], _mm512_set1_ps(inv[j])));
+    }
+  } else {
+    constexpr int J = 16 / V;
+    for (int64_t j0 = 0; j0 < G; j0 += J) {
+      const int64_t nj = std::min<int64_t>(J, G - j0);
+      __m512 o[J][V];
+      for (int j = 0; j < J; ++j)
+        for (int v = 0; v < V; ++v) o[j][v] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < visible; ++c) {
+        const float* val = vp + (ctx_slots[c] * KVH + g) * (16 * V);
+        __m512 vv[V];
+        for (int v = 0; v < V; ++v) vv[v] = _mm512_loadu_ps(val + 16 * v);
+        for (int j = 0; j < J; ++j) {
+          if (j >= nj) break;
+          const __m512 pc = _mm512_set1_ps(p[(j0 + j) * visible + c]);
+          for (int v = 0; v < V; ++v) o[j][v] = _mm512_fmadd_ps(pc, vv[v], o[j][v]);
+        }
+      }
+      for (int64_t j = 0; j < nj; ++j)
+        for (int v = 0; v < V; ++v)
+          _mm512_storeu_ps(out + (j0 + j) * 16 * V + 16 * v, _mm512_mul_ps(o[j][v], _mm512_set1_ps(inv[j0 + j])));
+    }
+  }
+}
 
 }  // namespace
 
@@ -113,14 +165,22 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
       const int64_t* ctx_slots = sl + kvo[b];
       const float* qg = qp + (t * H + g * G) * hd;  // the group's G query heads, hd apart
       p.resize(G * visible);
-      for (int64_t c = 0; c < visible; ++c) {  // scores p[j * visible + c] = q_j . k_c
-        const float* k = kp + (ctx_slots[c] * KVH + g) * hd;
-        __m512 kv[16];
-        for (int64_t v = 0; v < V; ++v) kv[v] = _mm512_loadu_ps(k + 16 * v);
-        for (int64_t j = 0; j < G; ++j) {
-          __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg + j * hd), kv[0]);
-          for (int64_t v = 1; v < V; ++v) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + j * hd + 16 * v), kv[v], acc);
-          p[j * visible + c] = hsum(acc);
+      for (int64_t c0 = 0; c0 < visible; c0 += 16) {  // scores p[j * visible + c] = q_j . k_c, 16 keys at a time
+        const int64_t nk = std::min<int64_t>(16, visible - c0);
+        for (int64_t j = 0; j < G; ++j) {  // the keys are re-read per head from L1 (16 x hd floats)
+          const float* qj = qg + j * hd;
+          __m512 acc[16];
+          for (int64_t c = 0; c < 16; ++c) {
+            if (c >= nk) {
+              acc[c] = _mm512_setzero_ps();
+              continue;
+            }
+            const float* k = kp + (ctx_slots[c0 + c] * KVH + g) * hd;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
+            for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), _mm512_loadu_ps(k + 16 * v), a);
+            acc[c] = a;
+          }
+          _mm512_mask_storeu_ps(p.data() + j * visible + c0, int8k::tail_mask(nk), sum16(acc));
         }
       }
       std::vector<float> inv(G);
@@ -141,17 +201,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
         }
         inv[j] = 1.f / _mm512_reduce_add_ps(total);
       }
-      for (int64_t j = 0; j < G; ++j) {  // weighted values, one head at a time (accumulators stay in registers)
-        const float* pj = p.data() + j * visible;
-        __m512 o[16];
-        for (int64_t v = 0; v < V; ++v) o[v] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < visible; ++c) {
-          const float* val = vp + (ctx_slots[c] * KVH + g) * hd;
-          const __m512 pc = _mm512_set1_ps(pj[c]);
-          for (int64_t v = 0; v < V; ++v) o[v] = _mm512_fmadd_ps(pc, _mm512_loadu_ps(val + 16 * v), o[v]);
-        }
-        float* dst = op + (t * H + g * G + j) * hd;
-        for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(o[v], _mm512_set1_ps(inv[j])));
+      // weighted values: up to 16 / V heads per pass over the values (their accumulators fit in registers)
+      const float* pv = p.data();
+      float* dst = op + (t * H + g * G) * hd;
+      switch (V) {
+        case 4: weigh_values<4>(pv, visible, G, vp, ctx_slots, KVH, g, hd, inv.data(), dst); break;
+        case 8: weigh_values<8>(pv, visible, G, vp, ctx_slots, KVH, g, hd, inv.data(), dst); break;
+        default: weigh_values<0>(pv, visible, G, vp, ctx_slots, KVH, g, hd, inv.data(), dst); break;
       }
     }
   });
