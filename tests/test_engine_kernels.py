@@ -128,9 +128,19 @@ def test_decode_row_is_bitwise_the_same_alone_or_batched(layer):
     _, _, int8 = layer
     x = torch.randn(8, 256)
     x[3] *= 50  # a row with a very different range must not change the others' scales
-    batched = int8(x)  # 16 rows with the residual pass: _int_mm
+    batched = int8(x)  # 16 GEMM rows with the residual pass
     for i in range(8):
         assert torch.equal(int8(x[i:i + 1].clone())[0], batched[i])  # 2 rows: the small-step kernel
+
+
+def test_every_row_count_of_the_fused_kernel_matches_int_mm(layer):
+    """1 to MAX_ROWS / 2 generated rows (every split into register tiles, one K chunk or several) give the
+    rows that torch._int_mm gives for a prefill-sized batch, bit for bit."""
+    _, _, int8 = layer
+    x = torch.randn(small_step_rows(int8), 256) * 2
+    big = int8(x)  # twice the kernel's rows with the residual pass: torch._int_mm
+    for n in range(1, small_step_rows(int8) // 2 + 1):
+        assert torch.equal(int8(x[:n].clone()), big[:n]), n
 
 
 def test_mixed_step_refines_only_generated_rows(layer):
@@ -152,8 +162,8 @@ def test_native_kernel_pads_odd_shapes(monkeypatch):
     assert ((one_pass(int8, x).double() - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
-@pytest.mark.parametrize("shape,with_bias", [((5003, 96), False), ((333, 30), True)])
-def test_screened_greedy_head_has_the_full_heads_argmax_and_exact_logits(shape, with_bias, monkeypatch):
+@pytest.mark.parametrize("shape,with_bias,rows", [((5003, 96), False, 12), ((333, 30), True, 12), ((5003, 96), False, 17)])
+def test_screened_greedy_head_has_the_full_heads_argmax_and_exact_logits(shape, with_bias, rows, monkeypatch):
     """The greedy lm_head (csrc/lm_head.cpp) reads a 4-bit screen and rescores its candidates exactly:
     every row's argmax and every finite logit must be the full int8 layer's, for more rows than one
     kernel call takes and for shapes that need padding."""
@@ -162,16 +172,16 @@ def test_screened_greedy_head_has_the_full_heads_argmax_and_exact_logits(shape, 
     int8 = make_linear(weight, torch.randn(shape[0]) * 0.01 if with_bias else None, "native", monkeypatch)
     int8.prepare_greedy()
     winners = [7, 99, shape[0] - 1, 0, 123]
-    x = torch.randn(12, shape[1])
+    x = torch.randn(rows, shape[1])
     x[:5] = weight[winners] * 40  # peaked rows: one token clearly wins, as in most decode steps
     full = int8(x)
-    got = int8.greedy_logits(x, torch.ones(12, dtype=torch.bool))
+    got = int8.greedy_logits(x, torch.ones(rows, dtype=torch.bool))
     finite = torch.isfinite(got)
     assert torch.equal(got.argmax(1), full.argmax(1))
     assert got.argmax(1)[:5].tolist() == winners
     assert torch.equal(got[finite], full[finite])
     assert (finite.sum(1) >= 1).all() and (finite[:5].sum(1) < shape[0] // 10).all()  # it screens
-    assert int8.screened_rows == 12 and int8.screened_candidates == int(finite.sum())
+    assert int8.screened_rows == rows and int8.screened_candidates == int(finite.sum())
 
 
 def test_screened_greedy_head_leaves_sampled_rows_to_the_full_layer(monkeypatch):
@@ -258,7 +268,7 @@ def _reference_attention(q, k, v, n):
     return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("heads,kv_heads,hd,longest", [(6, 2, 32, 20), (12, 1, 64, 90)])
+@pytest.mark.parametrize("heads,kv_heads,hd,longest", [(6, 2, 32, 20), (12, 1, 64, 90), (12, 2, 128, 40), (7, 1, 64, 33)])
 def test_native_attention_matches_causal_softmax_over_scattered_slots(ops, heads, kv_heads, hd, longest):
     torch.manual_seed(5)
     cache = 128

@@ -16,16 +16,17 @@ answers are no measure: `assistant chat` answers "What is 2+2?" with 4 or 6 depe
 details, and fp32 itself only repeats the question.) Prompt tokens keep one pass: prefill is
 compute-bound, and only a prompt's last token is sampled (its lm_head row gets the pass).
 Kernels, all computing exactly that arithmetic, so a row's output never depends on which one ran:
-  * native.py (default where the CPU has AVX-512 VNNI and g++ is present): up to MAX_ROWS (16) GEMM
-    rows (decode steps, small chunks) go through one fused call (row quantization, residual rows, a
-    VNNI GEMV that streams each weight byte once for up to 8 rows and re-reads it from L2 for the next
-    8, epilogue); more rows through the same kernel-side quantization and epilogue around
-    `torch._int_mm` (oneDNN), which is 2-2.5x faster at 16+ rows. Decode step, Qwen2.5-0.5B, 2
-    threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
-    that time went). A decode step that also takes prompt tokens of another request (chunked
-    prefill) grows ~linearly to 14 of them: 1.6x a decode step with 8, 2.0x with 10 (at 8 GEMM rows
-    the kernel used to hand over to `_int_mm`: 2.2x with 7, 2.6x with 10), which is what the
-    prefill-chunk tuner in local.py assumes when it sizes chunks for its inter-token target.
+  * native.py (default where the CPU has AVX-512 VNNI and g++ is present): up to MAX_ROWS (32) GEMM
+    rows (decode steps of up to 16 sequences or speculated tokens, small chunks) go through one fused
+    call (row quantization, residual rows, a VNNI GEMM that streams each weight byte from memory once
+    for all rows, epilogue; csrc/int8_linear.cpp has the design note); more rows through the same
+    kernel-side quantization and epilogue around `torch._int_mm` (oneDNN). Decode step, Qwen2.5-0.5B,
+    2 threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
+    that time went). Past a few rows a step is bound by multiply-adds, not bytes: the machine does
+    ~2.5e9 `vpdpbusd` a second (both vCPUs together), ~2.2 ms of them per GEMM row of this model, so
+    8 refined rows (16 GEMM rows) cannot cost less than ~36 ms of int8 work whatever the layout.
+    The prefill-chunk tuner in local.py measures what a step with prompt tokens costs and sizes
+    chunks for its inter-token target.
   * without it, up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM
     (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`) with rows quantized here and handed
     over as integral floats (scale 1, zero point 128), which its own quantization leaves exact
