@@ -11,6 +11,10 @@ Figures (each a ratio measured in this run; absolute times swing 2-3x on a share
                                window where all 8 are past their prefill and still decoding) over 1
                                stream's decode rate, same run                       (issue 18 goal >= 5;
                                also batch4_/batch16_decode_vs_batch1)
+  itl_4k_bf16_vs_fp32          median inter-token latency of one stream at ~4,000 tokens of context with a
+                               bfloat16 KV cache over the same with float32 KV (engine.kv_dtype), two engines
+                               in one run; kv_bf16_identical: greedy answers (the 8 questions, and the 4k
+                               one) token-for-token the same with either cache
   step_ms_by_rows              the model's step time (layers + screened greedy head) for R decode rows, each
                                its own sequence at 300 tokens of context, over a 1-row step (medians)
   itl_p95_under_prefill_ratio  p95 inter-token latency of a stream while a 512-token prompt prefills,
@@ -221,6 +225,16 @@ def step_curve(engine, rows: list[int], context: int = 300, rounds: int = 3) -> 
     return {r: statistics.median(t) for r, t in times.items()}
 
 
+def long_context_itl(engine, prompt, new_tokens: int) -> tuple[float, list[int]]:
+    """Median inter-token gap of one greedy stream over a long prompt, and its tokens."""
+    stamps, tokens = [], []
+    for d in engine.generate(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        if d.token_ids:
+            stamps.append(time.perf_counter())
+            tokens.extend(d.token_ids)
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:])), tokens
+
+
 def itl_under_prefill(engine, long_prompt, new_tokens: int) -> tuple[float, float]:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     _, alone, _ = timed_stream(engine, chat(QUESTIONS[1]), params)
@@ -427,6 +441,28 @@ def main() -> None:
                    prefix_miss_phase_hits=miss_hits)
     print(f"prefix cache at 0% hits ({miss_hits} block hits): median of 36 back-to-back request ratios "
           f"{overhead * 100:+.1f}%  (fastest requests on vs off: {best_overhead * 100:+.1f}%)")
+
+    # 4b. a bfloat16 KV cache against float32 KV: inter-token latency at ~4k tokens of context, same answers?
+    bf16 = LocalEngine(load_model(config), replace(config.engine, kv_dtype="bfloat16"))
+    text = open(Path(__file__).resolve().parents[1] / "README.md", encoding="utf-8").read()
+    ids = engine.tokenizer(text)["input_ids"][:3900]
+    long_prompt = [{"role": "user", "content": engine.tokenizer.decode(ids) + "\n\nWhat is this document about?"}]
+    n4k = 16 if args.quick else 32
+    itl32, tok32 = long_context_itl(engine, long_prompt, n4k)  # the first runs also fill each prefix cache
+    itl16, tok16 = long_context_itl(bf16, long_prompt, n4k)
+    ratios = []
+    for _ in range(2):  # prefilled now (prefix cache): alternate, and take the ratio of each pair
+        a, _ = long_context_itl(engine, long_prompt, n4k)
+        b, _ = long_context_itl(bf16, long_prompt, n4k)
+        ratios.append(b / a)
+    answer = lambda eng, q: [t for d in eng.generate(chat(q), SamplingParams(max_tokens=32)) for t in d.token_ids]  # noqa: E731
+    same = sum(answer(engine, q) == answer(bf16, q) for q in QUESTIONS)
+    bf16.close()
+    results.update(itl_4k_fp32_ms=round(itl32 * 1e3, 1), itl_4k_bf16_ms=round(itl16 * 1e3, 1),
+                   itl_4k_bf16_vs_fp32=round(statistics.median(ratios), 3),
+                   kv_bf16_identical=f"{same + (tok32 == tok16)}/{len(QUESTIONS) + 1}")
+    print(f"ITL at {len(ids)} tokens of context: fp32 KV {itl32 * 1e3:.1f} ms, bf16 KV {itl16 * 1e3:.1f} ms; paired "
+          f"ratios {[round(r, 3) for r in ratios]}; greedy answers identical {results['kv_bf16_identical']}")
 
     # 5. int8 quality vs fp32
     if engine.quantize == "int8":

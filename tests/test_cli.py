@@ -11,6 +11,12 @@ def test_bad_config_value_fails_with_fix_it_message(monkeypatch, capsys):
     assert "engine.device='tpu' is not valid: use auto, cpu, cuda or cuda:N." in err
 
 
+def test_bad_kv_dtype_fails_with_fix_it_message(monkeypatch, capsys):
+    monkeypatch.setenv("ASSISTANT_ENGINE_KV_DTYPE", "fp8")
+    assert main(["models", "list"]) == 2
+    assert "engine.kv_dtype='fp8' is not valid: use auto, float32 or bfloat16." in capsys.readouterr().err
+
+
 def test_models_list_shows_packages_and_state(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("ASSISTANT_MODELS_DIR", raising=False)
     assert main(["models", "list", "--data-dir", str(tmp_path)]) == 0

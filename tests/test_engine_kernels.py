@@ -386,3 +386,28 @@ def test_the_build_directory_follows_the_sources(monkeypatch, tmp_path):
     first = native.build_dir()
     monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-DCHANGED"])
     assert native.build_dir() != first and native.build_dir().parent == first.parent
+
+
+def test_bfloat16_kv_cache_holds_rounded_keys_and_attends_over_them_exactly(ops):
+    """engine.kv_dtype = "bfloat16": rope_store writes what torch's .to(bfloat16) gives (round half to
+    even, ties included), the queries are unchanged, and attention over the bf16 cache is attention over
+    its values widened to float32, bit for bit."""
+    torch.manual_seed(7)
+    heads, kv_heads, hd, n = 6, 2, 64, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd)
+    v_start = (heads + kv_heads) * hd
+    qkv[0, v_start:v_start + 4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130])  # ties, subnormal
+    cos, sin = torch.randn(n, hd), torch.randn(n, hd)
+    slots = torch.tensor([3, 0, 7, 9, 4])
+    k32, v32 = torch.zeros(12, kv_heads, hd), torch.zeros(12, kv_heads, hd)
+    k16, v16 = torch.zeros(12, kv_heads, hd, dtype=torch.bfloat16), torch.zeros(12, kv_heads, hd, dtype=torch.bfloat16)
+    q32 = ops.rope_store(qkv, cos, sin, heads, kv_heads, 0.125, k32, v32, slots)
+    q16 = ops.rope_store(qkv, cos, sin, heads, kv_heads, 0.125, k16, v16, slots)
+    assert torch.equal(q32, q16)
+    assert torch.equal(k16, k32.to(torch.bfloat16)) and torch.equal(v16, v32.to(torch.bfloat16))
+    assert v16[3, 0, :2].float().tolist() == [1.0, 1 + 2 ** -6]
+    q = torch.randn(2, heads, hd)
+    kv_off, q_off = torch.tensor([0, 5]), torch.tensor([0, 2])
+    got = ops.attend(q, k16, v16, slots, kv_off, q_off)
+    assert torch.equal(got, ops.attend(q, k16.float(), v16.float(), slots, kv_off, q_off))
+    assert (got - ops.attend(q, k32, v32, slots, kv_off, q_off)).abs().max() < 0.05  # and close to float32 KV

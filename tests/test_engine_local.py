@@ -207,10 +207,13 @@ def test_kv_exhaustion_preempts_and_everyone_finishes(tiny_config):
 # is far above 5e-2)
 @pytest.mark.parametrize("quantize,tolerance", [("none", 1e-5), ("int8", 5e-2)])
 @pytest.mark.parametrize("kernels", ["native", "pytorch"])
-def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, tolerance, kernels, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, tolerance, kernels, kv_dtype,
+                                                         monkeypatch):
     """The hand-written ragged forward (model.py) against HF's own forward on the same weights: one
-    sequence prefilled in two chunks, then one decode step, through the paged KV cache; with the
-    native kernels (norm, RoPE + KV write, attention, int8 linears) and with PyTorch ops."""
+    sequence prefilled in two chunks, then one decode step, through the paged KV cache (float32, or
+    bfloat16: keys and values rounded to 8 bits of mantissa, so a looser bound); with the native kernels
+    (norm, RoPE + KV write, attention, int8 linears) and with PyTorch ops."""
     import torch
 
     from assistant.engine import int8 as int8_module
@@ -229,7 +232,10 @@ def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, 
     lean = Transformer.from_hf(hf, quantize=None if quantize == "none" else quantize)
     assert (lean.ops is not None) == (kernels == "native")
     a = lean.args
-    kv = KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
+    kv = KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, getattr(torch, kv_dtype), "cpu",
+                 compute_dtype=torch.float32)
+    if kv_dtype == "bfloat16":
+        tolerance = max(tolerance, 5e-2)
     ids = torch.randint(0, a.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         want = hf(ids).logits[0]  # (11, V)
@@ -273,10 +279,12 @@ def test_greedy_rows_get_the_full_heads_argmax(tiny_config):
             tokens, start = [int(full.argmax())], end
 
 
-def test_native_layer_stack_equals_the_python_layer_loop(tiny_config):
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_native_layer_stack_equals_the_python_layer_loop(tiny_config, kv_dtype):
     """csrc/decode_stack.cpp runs a natively attending step's layers in one call: its outputs (and the
     keys and values it writes) must be bit-identical to model.py's layer loop over the same kernels,
-    for a prompt chunk, and for a step that decodes one sequence while another takes a small chunk."""
+    for a prompt chunk, and for a step that decodes one sequence while another takes a small chunk,
+    with a float32 or a bfloat16 KV cache."""
     import torch
 
     from assistant.engine import native
@@ -290,15 +298,16 @@ def test_native_layer_stack_equals_the_python_layer_loop(tiny_config):
     stack = lean.stack
     assert stack is not None
     a = lean.args
-    caches = [KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, torch.float32, "cpu") for _ in range(2)]
-    first, second, third = torch.arange(0, 8), torch.arange(8, 20), torch.arange(20, 32)
+    caches = [KVCache(a.num_layers, 12, 4, a.num_kv_heads, a.head_dim, getattr(torch, kv_dtype), "cpu",
+                      compute_dtype=torch.float32) for _ in range(2)]
+    first, second, third, fourth = torch.arange(0, 8), torch.arange(8, 20), torch.arange(20, 36), torch.arange(36, 48)
     steps = [  # (tokens, positions, seqs); the last step has more GEMM rows than `linear` takes (torch._int_mm)
         ([3, 1, 4, 1, 5, 9], [0, 1, 2, 3, 4, 5], [SeqBatch(0, 6, 6, first[:6], prompt_len=6)]),
         ([2, 6, 5, 3, 5, 8], [6, 0, 1, 2, 3, 4], [SeqBatch(0, 1, 7, first[:7], prompt_len=6),
                                                   SeqBatch(1, 5, 5, second[:5], prompt_len=9)]),
-        ([9, 7, 9, 3, 2] + list(range(40, 48)), [7, 5, 6, 7, 8] + list(range(8)),
+        ([9, 7, 9, 3, 2] + list(range(40, 56)) + list(range(60, 72)), [7, 5, 6, 7, 8] + list(range(16)) + list(range(12)),
          [SeqBatch(0, 1, 8, first[:8], prompt_len=6), SeqBatch(1, 4, 9, second[:9], prompt_len=9),
-          SeqBatch(5, 8, 8, third[:8], prompt_len=8)]),
+          SeqBatch(5, 16, 16, third, prompt_len=16), SeqBatch(21, 12, 12, fourth, prompt_len=12)]),
     ]
     with torch.inference_mode():
         for tokens, positions, seqs in steps:

@@ -30,11 +30,14 @@ BlockKey = Hashable  # (previous block's key, tuple(tokens of this block))
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: Any) -> None:
+                 dtype: torch.dtype, device: Any, compute_dtype: torch.dtype | None = None) -> None:
+        """`dtype`: what the cache stores (bfloat16 halves what attention reads); `read` hands back
+        `compute_dtype` (the model's; default: `dtype`)."""
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
+        self.compute_dtype = compute_dtype or dtype
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -47,7 +50,8 @@ class KVCache:
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots (ctx,) -> k, v (ctx, KVH, hd)."""
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        k, v = self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
     def slots(self, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
         """Cache slots of the first `num_tokens` positions of a sequence with this block table."""

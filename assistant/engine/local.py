@@ -135,11 +135,11 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         self.model = Transformer.from_hf(hf, quantize=self.quantize)
         self.eos_ids = eos_token_ids(hf, self.tokenizer)
         args = self.model.args
-        kv_dtype = self.model.dtype
+        kv_dtype = self.model.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
         per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype)
         num_blocks = max(2, config.kv_cache_mb * 2**20 // (per_token * config.block_size))
         self.kv = KVCache(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim,
-                          kv_dtype, loaded.device)
+                          kv_dtype, loaded.device, compute_dtype=self.model.dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, enable_prefix_cache=config.prefix_cache)
         self.speculator = Speculator() if config.speculation == "prompt_lookup" else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_batched_tokens,

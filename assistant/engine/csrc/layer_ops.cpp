@@ -15,6 +15,22 @@
 
 namespace {
 
+// The KV cache holds float32 or bfloat16 (engine.kv_dtype); both read as 16 floats at a time. bf16 is a float's
+// upper half: widened exactly, and narrowed with round-to-nearest-even as torch's .to(torch.bfloat16) does.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
+inline void store_row(uint16_t* dst, const float* src, int64_t n) {  // n: a multiple of 16
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+}
+
 // 16 vectors -> one vector whose lane c is the sum of a[c]'s lanes (a is clobbered). Pairs merge level by level:
 // the even and the odd lanes of (a[2i], a[2i + 1]) side by side, added, so each level halves the vectors and
 // keeps the lanes in order: 15 merges of 3 instructions for 16 sums, where 16 horizontal sums take ~8 each.
@@ -28,44 +44,93 @@ inline __m512 sum16(__m512 (&a)[16]) {
   return a[0];
 }
 
-// out_j = inv_j * sum_c p_j[c] v_c for the G query heads of kv head g (p: G rows of `visible` weights; out: G
-// rows of hd). With hd = 16 V known at compile time, 16 / V heads share each pass over the values (a value load
-// feeds all of them; their accumulators fit in registers); `V == 0`: any head dim, one head per pass.
-template <int V>
-void weigh_values(const float* p, int64_t visible, int64_t G, const float* vp, const int64_t* ctx_slots, int64_t KVH,
-                  int64_t g, int64_t hd, const float* inv, float* out) {
-  if constexpr (V == 0) {
+// out_j = inv_j * sum_c p_j[c] v_c for n <= J query heads in one pass over the values: J accumulator sets of V
+// vectors; n < J is dispatched to the template with J = n, so no accumulator set is ever skipped at run time
+// (a skipped one sends the compiler to memory).
+template <int V, int J, class E>
+void weigh_heads(int64_t n, const float* p, int64_t visible, const E* vp, const int64_t* ctx_slots, int64_t KVH,
+                 int64_t g, const float* inv, float* out) {
+  if constexpr (J > 1) {
+    if (n < J) return weigh_heads<V, J - 1>(n, p, visible, vp, ctx_slots, KVH, g, inv, out);
+  }
+  __m512 o[J][V];
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < V; ++v) o[j][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < visible; ++c) {
+    const E* val = vp + (ctx_slots[c] * KVH + g) * (16 * V);
+    __m512 vv[V];
+    for (int v = 0; v < V; ++v) vv[v] = load16(val + 16 * v);
+    for (int j = 0; j < J; ++j) {
+      const __m512 pc = _mm512_set1_ps(p[j * visible + c]);
+      for (int v = 0; v < V; ++v) o[j][v] = _mm512_fmadd_ps(pc, vv[v], o[j][v]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + j * 16 * V + 16 * v, _mm512_mul_ps(o[j][v], _mm512_set1_ps(inv[j])));
+}
+
+// One (query row, kv head) item of `attend`: the G query heads qg (hd apart, pre-scaled) of kv head g over the
+// first `visible` of ctx_slots -> out (G rows of hd). V = hd / 16 as a template argument (0: known only at run
+// time) so that the loops over a head's vectors unroll and the accumulators stay in registers.
+//   scores: 16 keys at a time per head, the 16 dot products summed by one merge tree (sum16); the keys are
+//           re-read per head from L1;
+//   softmax: vectorized exp, 16 keys at a time;
+//   values: J = 16 / V heads share each pass over the values (one value load feeds all of them).
+template <int V, class E>
+void attend_item(const float* qg, int64_t G, int64_t hd, const E* kp, const E* vp, const int64_t* ctx_slots,
+                 int64_t KVH, int64_t g, int64_t visible, std::vector<float>& p, float* out) {
+  const int64_t nv = V ? V : hd / 16;
+  p.resize(G * visible);
+  alignas(64) static const E zero_key[256] = {};  // stands in for the keys past the end of the last chunk
+  const E* keys[16];
+  for (int64_t c0 = 0; c0 < visible; c0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, visible - c0);
+    for (int c = 0; c < 16; ++c) keys[c] = c < nk ? kp + (ctx_slots[c0 + c] * KVH + g) * hd : zero_key;
+    for (int64_t j = 0; j < G; ++j) {
+      const float* qj = qg + j * hd;
+      __m512 acc[16];  // a fixed trip count with no early exit, so the 16 sums stay in registers
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c) {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(keys[c]));
+        for (int64_t v = 1; v < nv; ++v) s = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), load16(keys[c] + 16 * v), s);
+        acc[c] = s;
+      }
+      _mm512_mask_storeu_ps(p.data() + j * visible + c0, int8k::tail_mask(nk), sum16(acc));
+    }
+  }
+  float inv[256];  // G <= H <= 256
+  for (int64_t j = 0; j < G; ++j) {
+    float* pj = p.data() + j * visible;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < visible; c += 16) {
+      const __mmask16 tm = int8k::tail_mask(visible - c);
+      mx = _mm512_mask_max_ps(mx, tm, mx, _mm512_maskz_loadu_ps(tm, pj + c));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t c = 0; c < visible; c += 16) {
+      const __mmask16 tm = int8k::tail_mask(visible - c);
+      const __m512 e = _mm512_maskz_mov_ps(tm, int8k::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tm, pj + c), m)));
+      _mm512_mask_storeu_ps(pj + c, tm, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inv[j] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  if constexpr (V == 0) {  // any head dim: one head per pass
     for (int64_t j = 0; j < G; ++j) {
       __m512 o[16];
-      for (int64_t v = 0; v < hd / 16; ++v) o[v] = _mm512_setzero_ps();
+      for (int64_t v = 0; v < nv; ++v) o[v] = _mm512_setzero_ps();
       for (int64_t c = 0; c < visible; ++c) {
-        const float* val = vp + (ctx_slots[c] * KVH + g) * hd;
+        const E* val = vp + (ctx_slots[c] * KVH + g) * hd;
         const __m512 pc = _mm512_set1_ps(p[j * visible + c]);
-        for (int64_t v = 0; v < hd / 16; ++v) o[v] = _mm512_fmadd_ps(pc, _mm512_loadu_ps(val + 16 * v), o[v]);
+        for (int64_t v = 0; v < nv; ++v) o[v] = _mm512_fmadd_ps(pc, load16(val + 16 * v), o[v]);
       }
-      for (int64_t v = 0; v < hd / 16; ++v) _mm512_storeu_ps(out + j * hd + 16 * v, _mm512_mul_ps(o[v], _mm512_set1_ps(inv[j])));
+      for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(out + j * hd + 16 * v, _mm512_mul_ps(o[v], _mm512_set1_ps(inv[j])));
     }
   } else {
-    constexpr int J = 16 / V;
-    for (int64_t j0 = 0; j0 < G; j0 += J) {
-      const int64_t nj = std::min<int64_t>(J, G - j0);
-      __m512 o[J][V];
-      for (int j = 0; j < J; ++j)
-        for (int v = 0; v < V; ++v) o[j][v] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < visible; ++c) {
-        const float* val = vp + (ctx_slots[c] * KVH + g) * (16 * V);
-        __m512 vv[V];
-        for (int v = 0; v < V; ++v) vv[v] = _mm512_loadu_ps(val + 16 * v);
-        for (int j = 0; j < J; ++j) {
-          if (j >= nj) break;
-          const __m512 pc = _mm512_set1_ps(p[(j0 + j) * visible + c]);
-          for (int v = 0; v < V; ++v) o[j][v] = _mm512_fmadd_ps(pc, vv[v], o[j][v]);
-        }
-      }
-      for (int64_t j = 0; j < nj; ++j)
-        for (int v = 0; v < V; ++v)
-          _mm512_storeu_ps(out + (j0 + j) * 16 * V + 16 * v, _mm512_mul_ps(o[j][v], _mm512_set1_ps(inv[j0 + j])));
-    }
+    for (int64_t j0 = 0; j0 < G; j0 += 16 / V)
+      weigh_heads<V, 16 / V>(std::min<int64_t>(16 / V, G - j0), p.data() + j0 * visible, visible, vp, ctx_slots, KVH, g,
+                             inv + j0, out + j0 * hd);
   }
 }
 
@@ -101,31 +166,40 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   sin = sin.contiguous();
   const int64_t T = qkv.size(0), hd = kc.size(2), half = hd / 2, width = qkv.size(1);
   TORCH_CHECK(width == (H + 2 * KVH) * hd, "rope_store: qkv width does not match the heads");
+  TORCH_CHECK(hd % 16 == 0 && hd <= 256, "rope_store: head dim must be a multiple of 16, at most 256");
   auto q = torch::empty({T, H, hd}, qkv.options());
   const float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float* qp = q.data_ptr<float>();
-  float* kp = kc.data_ptr<float>();
-  float* vp = vc.data_ptr<float>();
   const float qs = static_cast<float>(q_scale);
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* c = cp + t * hd;
-      const float* s = sp + t * hd;
-      for (int64_t h = 0; h < H + KVH; ++h) {
-        const float* x = xp + t * width + h * hd;
-        float* dst = h < H ? qp + (t * H + h) * hd : kp + (slot[t] * KVH + (h - H)) * hd;
-        const float scale = h < H ? qs : 1.f;
-        for (int64_t d = 0; d < hd; ++d) {
-          const float rolled = x[d < half ? d + half : d - half];
-          dst[d] = (x[d] * (c[d] * scale)) + (rolled * (s[d] * scale));
+  TORCH_CHECK(kc.dtype() == vc.dtype() && (kc.dtype() == torch::kFloat || kc.dtype() == torch::kBFloat16),
+              "rope_store: the KV cache must be float32 or bfloat16");
+  auto run = [&](auto* kp, auto* vp) {
+    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+      float row[256];
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* c = cp + t * hd;
+        const float* s = sp + t * hd;
+        for (int64_t h = 0; h < H + KVH; ++h) {
+          const float* x = xp + t * width + h * hd;
+          float* dst = h < H ? qp + (t * H + h) * hd : row;
+          const float scale = h < H ? qs : 1.f;
+          for (int64_t d = 0; d < hd; ++d) {
+            const float rolled = x[d < half ? d + half : d - half];
+            dst[d] = (x[d] * (c[d] * scale)) + (rolled * (s[d] * scale));
+          }
+          if (h >= H) store_row(kp + (slot[t] * KVH + (h - H)) * hd, row, hd);
         }
+        store_row(vp + slot[t] * KVH * hd, xp + t * width + (H + KVH) * hd, KVH * hd);
       }
-      std::memcpy(vp + slot[t] * KVH * hd, xp + t * width + (H + KVH) * hd, sizeof(float) * KVH * hd);
-    }
-  });
+    });
+  };
+  if (kc.dtype() == torch::kBFloat16)
+    run(reinterpret_cast<uint16_t*>(kc.data_ptr()), reinterpret_cast<uint16_t*>(vc.data_ptr()));
+  else
+    run(kc.data_ptr<float>(), vc.data_ptr<float>());
   return q;
 }
 
@@ -151,66 +225,34 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = qo[b]; t < qo[b + 1]; ++t) seq_of[t] = b;
   const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t V = hd / 16;
-  // one work item per (query row, kv head): its G query heads share every key and value load
-  at::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / KVH, g = i % KVH, b = seq_of[t];
-      const int64_t n = qo[b + 1] - qo[b], ctx = kvo[b + 1] - kvo[b];
-      const int64_t visible = ctx - n + (t - qo[b]) + 1;
-      const int64_t* ctx_slots = sl + kvo[b];
-      const float* qg = qp + (t * H + g * G) * hd;  // the group's G query heads, hd apart
-      p.resize(G * visible);
-      for (int64_t c0 = 0; c0 < visible; c0 += 16) {  // scores p[j * visible + c] = q_j . k_c, 16 keys at a time
-        const int64_t nk = std::min<int64_t>(16, visible - c0);
-        for (int64_t j = 0; j < G; ++j) {  // the keys are re-read per head from L1 (16 x hd floats)
-          const float* qj = qg + j * hd;
-          __m512 acc[16];
-          for (int64_t c = 0; c < 16; ++c) {
-            if (c >= nk) {
-              acc[c] = _mm512_setzero_ps();
-              continue;
-            }
-            const float* k = kp + (ctx_slots[c0 + c] * KVH + g) * hd;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
-            for (int64_t v = 1; v < V; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), _mm512_loadu_ps(k + 16 * v), a);
-            acc[c] = a;
-          }
-          _mm512_mask_storeu_ps(p.data() + j * visible + c0, int8k::tail_mask(nk), sum16(acc));
+  TORCH_CHECK(kc.dtype() == vc.dtype() && (kc.dtype() == torch::kFloat || kc.dtype() == torch::kBFloat16),
+              "attend: the KV cache must be float32 or bfloat16");
+  TORCH_CHECK(G <= 256, "attend: at most 256 query heads per kv head");
+  auto run = [&](const auto* kp, const auto* vp) {
+    // one work item per (query row, kv head): its G query heads share every key and value load
+    at::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> p;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / KVH, g = i % KVH, b = seq_of[t];
+        const int64_t n = qo[b + 1] - qo[b], ctx = kvo[b + 1] - kvo[b];
+        const int64_t visible = ctx - n + (t - qo[b]) + 1;
+        const float* qg = qp + (t * H + g * G) * hd;
+        float* dst = op + (t * H + g * G) * hd;
+        switch (V) {
+#define CASE(N) case N: attend_item<N>(qg, G, hd, kp, vp, sl + kvo[b], KVH, g, visible, p, dst); break;
+          CASE(2) CASE(4) CASE(8) CASE(16)
+#undef CASE
+          default: attend_item<0>(qg, G, hd, kp, vp, sl + kvo[b], KVH, g, visible, p, dst); break;
         }
       }
-      std::vector<float> inv(G);
-      for (int64_t j = 0; j < G; ++j) {  // softmax numerators, 16 keys at a time
-        float* pj = p.data() + j * visible;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t c = 0; c < visible; c += 16) {
-          const __mmask16 tm = int8k::tail_mask(visible - c);
-          mx = _mm512_mask_max_ps(mx, tm, mx, _mm512_maskz_loadu_ps(tm, pj + c));
-        }
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t c = 0; c < visible; c += 16) {
-          const __mmask16 tm = int8k::tail_mask(visible - c);
-          const __m512 e = _mm512_maskz_mov_ps(tm, int8k::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tm, pj + c), m)));
-          _mm512_mask_storeu_ps(pj + c, tm, e);
-          total = _mm512_add_ps(total, e);
-        }
-        inv[j] = 1.f / _mm512_reduce_add_ps(total);
-      }
-      // weighted values: up to 16 / V heads per pass over the values (their accumulators fit in registers)
-      const float* pv = p.data();
-      float* dst = op + (t * H + g * G) * hd;
-      switch (V) {
-        case 4: weigh_values<4>(pv, visible, G, vp, ctx_slots, KVH, g, hd, inv.data(), dst); break;
-        case 8: weigh_values<8>(pv, visible, G, vp, ctx_slots, KVH, g, hd, inv.data(), dst); break;
-        default: weigh_values<0>(pv, visible, G, vp, ctx_slots, KVH, g, hd, inv.data(), dst); break;
-      }
-    }
-  });
+    });
+  };
+  if (kc.dtype() == torch::kBFloat16)
+    run(reinterpret_cast<const uint16_t*>(kc.data_ptr()), reinterpret_cast<const uint16_t*>(vc.data_ptr()));
+  else
+    run(kc.data_ptr<float>(), vc.data_ptr<float>());
   return out;
 }
 
