@@ -75,6 +75,11 @@ class EngineConfig:
     # greedy requests draft tokens from their own prompt and output and verify them in one step where that pays
     # (engine/speculate.py); "off" = one token per step
     speculation: str = "prompt_lookup"
+    # semantic response cache of /v1 raw-model requests at temperature 0 without tools (server/response_cache.py):
+    # off by default; on, it serves the tiers with response_cache = true (and an open server's local user)
+    response_cache: bool = False
+    response_cache_threshold: float = 0.94  # cosine similarity a hit needs (chosen by bench/semantic_cache.py)
+    response_cache_ttl_s: int = 3600  # seconds an answer is served from the cache
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class TierConfig:
     tpm: int = 0  # tokens (prompt + completion) per minute, same bucket shape
     daily_tokens: int = 0  # tokens per UTC day
     safety_policy: str = "default"  # name of the safety policy applied to this tier's turns
+    response_cache: bool = False  # its raw-model requests may be answered from the semantic cache (engine.response_cache)
     priority: int = 0  # admission order when the engine queue is contended: higher goes first
 
 
@@ -271,6 +277,10 @@ class AssistantConfig:
                 raise ConfigError(f"engine.{name}={getattr(e, name)} must be at least 1.")
         if e.max_context_tokens < 0:
             raise ConfigError(f"engine.max_context_tokens={e.max_context_tokens} must be >= 0 (0 = model's window).")
+        if not 0.0 < e.response_cache_threshold <= 1.0:
+            raise ConfigError(f"engine.response_cache_threshold={e.response_cache_threshold} must be in (0, 1].")
+        if e.response_cache_ttl_s < 1:
+            raise ConfigError(f"engine.response_cache_ttl_s={e.response_cache_ttl_s} must be at least 1.")
         if e.speculation not in ("prompt_lookup", "off"):
             raise ConfigError(f"engine.speculation={e.speculation!r} is not valid: use prompt_lookup or off.")
         if not 0 < s.port < 65536:

@@ -17,15 +17,16 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 USER = {"role": "user", "content": "hi"}
 
 
-def make_app(tmp_path, *script: Any, engine: Engine | None = None, media: Any = None,
+def make_app(tmp_path, *script: Any, engine: Engine | None = None, media: Any = None, settings: dict | None = None,
              **server: Any) -> tuple[Any, Any, Any]:
-    """(assistant, engine, app); `server` overrides server.* settings (tiers as dicts); `media` replaces
-    voice and vision (assistant/modalities.py: pass Modalities(config, stt=..., tts=..., describer=...))."""
+    """(assistant, engine, app); `server` overrides server.* settings (tiers as dicts), `settings` any
+    other ("engine.response_cache": True); `media` replaces voice and vision (assistant/modalities.py:
+    pass Modalities(config, stt=..., tts=..., describer=...))."""
     from assistant.server.app import create_app
 
     engine = engine or ScriptedEngine(script)
     overrides = {"data_dir": str(tmp_path), "retrieval.embedder": "hash-64",
-                 **{f"server.{k}": v for k, v in server.items()}}
+                 **{f"server.{k}": v for k, v in server.items()}, **(settings or {})}
     config = AssistantConfig.load(env={}, overrides=overrides)
     if callable(media):
         media = media(config)

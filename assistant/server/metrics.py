@@ -40,6 +40,7 @@ class Metrics:
             self.available = False
             self.requests = self.latency = self.ttft = self.itl = self.tokens = _Noop()
             self.rate_limited = self.admission_rejected = self.safety = self.context_use = _Noop()
+            self.response_cache = _Noop()
             return
         self.available = True
         self.registry = registry = prom.CollectorRegistry()
@@ -62,6 +63,8 @@ class Metrics:
         self.context_use = prom.Histogram("assistant_context_window_utilisation",
                                           "Prompt tokens / context window of assistant turns",
                                           buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=registry)
+        self.response_cache = prom.Counter("assistant_response_cache", "Semantic response cache lookups by result",
+                                           ["result"], registry=registry)  # hit, miss
         if admission is not None:
             prom.Gauge("assistant_queue_depth", "Requests waiting for a generation slot",
                        registry=registry).set_function(lambda: admission.num_waiting)

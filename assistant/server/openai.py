@@ -43,6 +43,7 @@ from assistant.server.assistant_model import ASSISTANT_MODEL, assistant_completi
 from assistant.server.auth import UNAUTHORIZED
 from assistant.server.completions import Shape, drain, error_body, message_of, sse, status_of, usage_of
 from assistant.server.gateway import Gateway, Refusal, Ticket
+from assistant.server.response_cache import ResponseCache, recording, replay
 from assistant.server.schemas import MAX_TOKENS_DEFAULT, RequestError, parse_chat_request, parse_embeddings_request
 from assistant.server.streaming import ClosingStreamingResponse
 
@@ -86,6 +87,21 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
 
     def engine_for(model: str) -> Engine:
         return engine if assistant is None or model == model_name else assistant.models.engine(model)
+
+    cache = response_cache_of(assistant, embedding_model)
+
+    def cache_lookup(principal: Any, model: str, messages: list[dict], params: Any, req: Any) -> Any:
+        """(cached deltas or None, how to record a miss or None): runs in the threadpool (it embeds)."""
+        if (cache is None or (principal.tier is not None and not principal.tier.response_cache)
+                or not cache.eligible(params, req.engine_tools(), False)):
+            return None, None
+        target = engine_for(model)  # its identity: a reloaded or changed model starts an empty cache
+        exact, text = cache.key(principal.key_id, f"{model}|{getattr(target, 'name', '')}|{id(target)}", messages, params)
+        answer, vector = cache.get(exact, text)
+        gateway.metrics.response_cache.labels("hit" if answer is not None else "miss").inc()
+        if answer is not None:
+            return replay(answer), None
+        return None, lambda deltas: recording(deltas, lambda a: cache.put(exact, text, vector, a))
 
     def who(request: Request) -> Any:
         principal = gateway.principal(request)
@@ -147,7 +163,10 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
                 return await run_in_threadpool(assistant_completion, assistant, messages, params, req.stream,
                                                ticket=ticket, gateway=gateway, metrics=gateway.metrics,
                                                images=last_pictures)
-            return await _raw_completion(engine_for(model), req, messages, params, model, ticket, gateway, request)
+            cached, record = ((None, None) if any(pictures) else
+                              await run_in_threadpool(cache_lookup, principal, model, messages, params, req))
+            return await _raw_completion(engine_for(model), req, messages, params, model, ticket, gateway, request,
+                                         cached=cached, record=record)
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")  # no-op when the response already finished it
             raise
@@ -202,8 +221,19 @@ def with_descriptions(media: Any, messages: list[dict], pictures: list[list[byte
     return out, kept
 
 
+def response_cache_of(assistant: Any, embedding_model: str | None) -> ResponseCache | None:
+    """The semantic response cache when engine.response_cache is on and the packaged embedder is here."""
+    config = getattr(getattr(assistant, "config", None), "engine", None)
+    if config is None or not config.response_cache or not embedding_model:
+        return None
+    return ResponseCache(embed=lambda texts: assistant.models.embed(texts)[0], threshold=config.response_cache_threshold,
+                         ttl_s=config.response_cache_ttl_s)
+
+
 async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params: Any, model: str, ticket: Ticket,
-                          gateway: Gateway, request: Request) -> Any:
+                          gateway: Gateway, request: Request, cached: Any = None, record: Any = None) -> Any:
+    """`cached`: the deltas of an answer from the response cache (the engine is not asked); `record`: wraps
+    the engine's deltas to store the answer when it completes."""
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     shape = Shape.of(req, cid, model)
 
@@ -213,8 +243,10 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
         return _error(status, message, type_, param, headers={**ticket.headers, **(headers or {})})
 
     try:  # the chat template and tokenising run here: off the event loop
-        deltas = await run_in_threadpool(engine.generate, shape.messages(messages), params,
-                                         tools=req.engine_tools())
+        deltas = cached if cached is not None else await run_in_threadpool(
+            engine.generate, shape.messages(messages), params, tools=req.engine_tools())
+        if record is not None:
+            deltas = record(deltas)
     except EngineBusy as e:
         return await refuse(503, str(e), "overloaded", ledger="busy", headers={"retry-after": "1"})
     except TemplateError as e:
