@@ -128,9 +128,12 @@ def test_the_api_answers_a_repeated_request_from_the_cache_per_key_and_tier(tmp_
     assert content("What is the capital of Germany?", paid)[0] == "Berlin."  # a near miss goes to the engine
     assert content("What is the capital of France?", free)[0] == "Paris?"  # a tier without the cache
     assert len(engine.prompts) == 4
+    engine.add('"city": "Paris"}')
+    json_mode = content("What is the capital of France?", paid, response_format={"type": "json_object"})[0]
+    assert json_mode == '{"city": "Paris"}' and len(engine.prompts) == 5  # JSON mode is not the plain answer
     stream = client.post(CHAT, json={"messages": [{"role": "user", "content": "What is the capital of France?"}],
                                      "stream": True}, headers=bearer(paid))
-    assert stream.status_code == 200 and "Paris." in stream.text and len(engine.prompts) == 4
+    assert stream.status_code == 200 and "Paris." in stream.text and len(engine.prompts) == 5
     metrics = client.get("/metrics").text
     assert 'assistant_response_cache_total{result="hit"} 2.0' in metrics
-    assert 'assistant_response_cache_total{result="miss"} 3.0' in metrics
+    assert 'assistant_response_cache_total{result="miss"} 4.0' in metrics

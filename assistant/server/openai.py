@@ -96,8 +96,14 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
                 or not cache.eligible(params, req.engine_tools(), False)):
             return None, None
         target = engine_for(model)  # its identity: a reloaded or changed model starts an empty cache
-        exact, text = cache.key(principal.key_id, f"{model}|{getattr(target, 'name', '')}|{id(target)}", messages, params)
-        answer, vector = cache.get(exact, text)
+        prefix = Shape.of(req, "", model).prefix  # a JSON-mode or forced-tool reply starts differently
+        identity = f"{model}|{getattr(target, 'name', '')}|{id(target)}|{prefix!r}"
+        exact, text = cache.key(principal.key_id, identity, messages, params)
+        try:
+            answer, vector = cache.get(exact, text)
+        except Exception:  # noqa: BLE001 - the embedder failed: answer from the engine, as without a cache
+            log.warning("response cache lookup failed; asking the engine", exc_info=True)
+            return None, None
         gateway.metrics.response_cache.labels("hit" if answer is not None else "miss").inc()
         if answer is not None:
             return replay(answer), None

@@ -8,7 +8,7 @@ NOTE — what may be answered from the cache, and how a hit is decided.
 
   Exact part of the key: the caller's scope (its key id: one key never sees another's answers), the
   model id with the serving engine's name and identity (a reloaded or changed model is a new engine
-  object: its requests never meet the old answers), the system prompt verbatim, and every sampling
+  object: its requests never meet the old answers) and the reply's prefill (JSON mode, a forced tool), the system prompt verbatim, and every sampling
   setting (each SamplingParams field: max_tokens, stop, top_k, top_p, seed, ...). Only entries with the same exact part are compared.
 
   Similar part: the conversation without its system prompt, normalised (whitespace collapsed,
