@@ -73,6 +73,9 @@ bench: setup
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/ingest.py
 	$(BIN)/python bench/sandbox.py
+	$(BIN)/python bench/speech.py
+	$(BIN)/python bench/speculation.py
+	$(BIN)/python bench/semantic_cache.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
