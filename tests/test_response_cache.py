@@ -3,25 +3,17 @@ and the /v1 path that serves from it (scripted engine, the deterministic hash em
 
 from __future__ import annotations
 
-import re
-
-import numpy as np
 from fastapi.testclient import TestClient
 
 from assistant.engine.base import SamplingParams, TokenDelta
-from assistant.server.response_cache import ResponseCache, recording, content_words, same_terms
+from assistant.server.response_cache import ResponseCache, content_words, recording, same_terms
+from ingest.embed import HashEmbedder
 from tests.gateway_fakes import bearer, make_app
 
 CHAT = "/v1/chat/completions"
 
 
-def bag_of_words(texts):
-    """Unit vectors of hashed lower-case words: paraphrases that share their words are close."""
-    out = np.zeros((len(texts), 256), dtype=np.float32)
-    for i, t in enumerate(texts):
-        for w in re.findall(r"[a-z0-9]+", t.lower()):
-            out[i, hash(w) % 256] += 1
-    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
+bag_of_words = HashEmbedder(256).embed  # the project's deterministic fake: hashed lower-case words
 
 
 class Clock:
