@@ -90,7 +90,7 @@ class TierConfig:
     rpm: int = 0  # requests per minute (token bucket: bursts up to rpm, refilled evenly)
     tpm: int = 0  # tokens (prompt + completion) per minute, same bucket shape
     daily_tokens: int = 0  # tokens per UTC day
-    safety_policy: str = "default"  # name of the safety policy applied to this tier's turns
+    safety_policy: str = ""  # safety policy of this tier's conversations and raw completions ("" = safety.policy)
     response_cache: bool = False  # its raw-model requests may be answered from the semantic cache (engine.response_cache)
     priority: int = 0  # admission order when the engine queue is contended: higher goes first
 

@@ -21,11 +21,12 @@ def make_app(tmp_path, *script: Any, engine: Engine | None = None, media: Any = 
              **server: Any) -> tuple[Any, Any, Any]:
     """(assistant, engine, app); `server` overrides server.* settings (tiers as dicts), `settings` any
     other ("engine.response_cache": True); `media` replaces voice and vision (assistant/modalities.py:
-    pass Modalities(config, stt=..., tts=..., describer=...))."""
+    pass Modalities(config, stt=..., tts=..., describer=...)). The safety layer is off unless `settings`
+    turns it on (its own tests use fake detectors: tests/test_guarded_api.py)."""
     from assistant.server.app import create_app
 
     engine = engine or ScriptedEngine(script)
-    overrides = {"data_dir": str(tmp_path), "retrieval.embedder": "hash-64",
+    overrides = {"data_dir": str(tmp_path), "retrieval.embedder": "hash-64", "safety.enabled": False,
                  **{f"server.{k}": v for k, v in server.items()}, **(settings or {})}
     config = AssistantConfig.load(env={}, overrides=overrides)
     if callable(media):

@@ -173,8 +173,34 @@ def test_benign_numbers_and_placeholders_pass():
     assert luhn_ok("4111111111111111") and not luhn_ok("4111111111111112")
     for text in ("Version 4.1.1, order 1234 5678 9012 3456.", "Write to help@example.com.", "Replace sk-... with your key.",
                  "The hash is e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855.",
-                 "Meet on 2024-05-17 at 192.168.1.20, ISBN 978-3-16-148410-0, call 112."):
+                 "Meet on 2024-05-17 at 192.168.1.20, ISBN 978-3-16-148410-0, call 112.",
+                 # documentation stand-ins where a secret would go
+                 "Set ANTHROPIC_API_KEY=sk-ant-xxxxxxxxxxxxxxxxxxxxxxxx in your shell.",
+                 "Connect with mysql://ADMIN:SECRET@db.internal:3306/APP.",
+                 "Amazon's guide shows AKIAIOSFODNN7EXAMPLE and wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY.",
+                 "token: ${GITHUB_TOKEN}", "api_key = '<your key here>'", "password: ********",
+                 "-----BEGIN PRIVATE KEY-----\n...\n-----END PRIVATE KEY-----",
+                 'The manual\'s rules state: "Members must renew their badge every year at the front desk."'):
         assert find(text, LeakMatcher([])) == [], text
+
+
+def test_real_looking_secrets_next_to_placeholders_are_still_redacted():
+    text = ("Replace YOUR_API_KEY: the live one is sk-proj-Q3vT9xLm2RkP8sWz4NbY6cHd, and "
+            "aws_secret_access_key = q8ZtV1rPx3Nm+KdYw6Lh0sTfGjBa9UcE2oRiXnQy; db postgres://app:Tr0ub4dor3x@db:5432/x.")
+    kinds = [(f.kind, text[f.start:f.end]) for f in find(text, LeakMatcher([]))]
+    assert kinds == [("api key", "sk-proj-Q3vT9xLm2RkP8sWz4NbY6cHd"),
+                     ("secret", "q8ZtV1rPx3Nm+KdYw6Lh0sTfGjBa9UcE2oRiXnQy"), ("password", "Tr0ub4dor3x")]
+
+
+def test_an_answer_quoting_its_own_instructions_is_redacted_without_knowing_them():
+    """The guard is not always told the prompt (a client's system message, a prompt changed since start):
+    an answer announcing that it quotes its instructions has the quote redacted."""
+    text = 'Sure! My instructions say: "Act as the help desk of Zenith Bank and never discuss loan rates." Anything else?'
+    (finding,) = find(text, LeakMatcher([]))
+    assert finding.category == "system_prompt_leak" and text[finding.start:finding.end].startswith("Act as the help")
+    for benign in ('My instructions for the recipe: "Whisk the eggs, then fold in the flour slowly."',  # no such word
+                   "My instructions say that I should cite the page of every answer."):  # nothing quoted
+        assert find(benign, LeakMatcher([])) == [], benign
 
 
 def test_toxic_output_is_stopped_with_a_notice():

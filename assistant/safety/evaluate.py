@@ -1,7 +1,7 @@
 """`assistant eval safety FILE.jsonl`: catch rate per category, false positives, latency.
 
 Each line: {"text": ..., "label": "allow" | "block", "category": ..., "where": "input" | "retrieved" |
-"tool" | "output"}. Input, retrieved and tool rows go through the input guard at their stage (a
+"tool" | "output", optional "system": the turn's system prompt, for output rows}. Input, retrieved and tool rows go through the input guard at their stage (a
 quarantine counts as a block); output rows stream through the output guard in small deltas of
 random size (fixed seed), and count as caught when anything was redacted or the answer was stopped.
 Latency is the input guard's, per row, wall clock. Prints a table, then one JSON line.
@@ -103,7 +103,7 @@ def evaluate_rows(rows: Iterable[dict[str, Any]], layer: Any, *, seed: int = 0) 
     for row in rows:
         where = row.get("where", "input")
         if where == "output":
-            out = template.for_turn(None)
+            out = template.for_turn(None, protect=[row["system"]] if row.get("system") else ())
             text, events, i = row["text"], [], 0
             start = time.perf_counter()
             while i < len(text):

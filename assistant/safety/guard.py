@@ -75,6 +75,12 @@ class SafetyGuard:
         return SafetyGuard(self.detectors, self.policies, self.audit, conversation_id=conversation_id,
                            key_id=key_id, policy=self.policies.for_conversation(conversation_id))
 
+    def for_policy(self, policy: str | None, *, key_id: str | None = None) -> "SafetyGuard":
+        """The guard under a named policy (an API key's tier) for text outside any conversation;
+        None or "": the default policy."""
+        return SafetyGuard(self.detectors, self.policies, self.audit, key_id=key_id,
+                           policy=self.policies.get(policy) if policy else self.policies.default)
+
     def check(self, text: str, *, where: str) -> Verdict:
         hit = self.hit(text, where=where)
         if hit is None:

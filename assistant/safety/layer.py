@@ -79,9 +79,18 @@ class SafetyLayer:
     def audit_log(self, conversation_id: str | None = None, limit: int = 100) -> list[AuditRecord]:
         return self.audit.records(conversation_id=conversation_id, limit=limit)
 
-    def moderate(self, text: str, *, conversation_id: str | None = None) -> Moderation:
-        """Scores of every input category plus the verdict of the conversation's policy (POST /v1/moderations)."""
-        guard = self.guard.for_conversation(conversation_id)
+    def output_guard_for(self, policy: str | None = None, *, protect: Sequence[str] = ()) -> OutputGuard:
+        """An output guard for one answer outside any conversation (a raw /v1 completion) under a named
+        policy (the key's tier; None: the default), also protecting `protect` (the request's own
+        system messages) like the system prompt."""
+        chosen = self.policies.get(policy) if policy else self.policies.default
+        return OutputGuard(policy=chosen, audit=self.audit, guard=self.guard,
+                           leaks=self.leaks.plus(protect) if protect else self.leaks)
+
+    def moderate(self, text: str, *, conversation_id: str | None = None, policy: str | None = None) -> Moderation:
+        """Scores of every input category plus the verdict of the conversation's policy, or of the named
+        `policy` (an API key's tier) (POST /v1/moderations)."""
+        guard = self.guard.for_policy(policy) if policy else self.guard.for_conversation(conversation_id)
         scores: dict[str, float] = {}
         for s in guard.scores(text):
             scores[s.category] = max(scores.get(s.category, 0.0), round(s.score, 4))

@@ -47,9 +47,14 @@ class OutputGuard(StreamTransformer):
         self.stopped = False
         self._reported: set[str] = set()
 
-    def for_turn(self, conversation_id: str | None) -> "OutputGuard":
+    def for_turn(self, conversation_id: str | None, *, protect: Sequence[str] = ()) -> "OutputGuard":
+        """A fresh guard for one answer; `protect`: that turn's own instructions (a client's system
+        message), protected like the system prompt for this answer only."""
         policy = self.policy_for(conversation_id) if self.policy_for else self.policy
-        return OutputGuard(policy=policy, audit=self.audit, guard=self.guard, leaks=self.leaks,
+        leaks = self.leaks.plus(protect) if protect and self.leaks is not None else self.leaks
+        if protect and leaks is None:
+            leaks = LeakMatcher(protect)
+        return OutputGuard(policy=policy, audit=self.audit, guard=self.guard, leaks=leaks,
                            conversation_id=conversation_id, max_hold_chars=self.max_hold_chars,
                            policy_for=self.policy_for)
 

@@ -6,6 +6,17 @@ the system prompt is a verbatim copy; a classifier would only blur that. Each fi
 its category and kind; `redact()` replaces the spans with a marker such as `[redacted: api key]`.
 Kept deliberately strict, so documentation placeholders (`sk-...`, `help@example.com`, version
 numbers, hashes, dates, ISBNs, IP addresses) pass.
+
+Documentation placeholders in a secret's place pass too (`placeholder()`): a value that says so
+(`EXAMPLE`, `your_`, `changeme`, `<token>`, `${VAR}`), is masked (`XXXX`, `***`, `...`), is one
+capitalised word (`USER:PASSWORD@`, `YOUR_API_KEY`), or has too few distinct characters to be random
+(`sk-aaaaaaaaaaaaaaaaaaaa`). AWS's documented sample pair (`AKIAIOSFODNN7EXAMPLE`) is such a value.
+A real key has none of these marks, so recall on real-looking keys is unchanged.
+
+The system prompt is protected two ways: verbatim runs of >= NGRAM of its words (`LeakMatcher`, which
+needs the prompt), and an answer that announces it is quoting its own instructions ("my instructions
+say: \"...\"", `SELF_QUOTE`), whose quoted words are redacted even when the guard was not told the
+prompt (a client's own system message on the API, a prompt changed since start-up).
 """
 
 from __future__ import annotations
@@ -40,6 +51,14 @@ EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@([A-Za-z0-9-]+\.)+[A-Za-z]{2,}\b")
 PHONE = re.compile(r"(?<![\w.+-])(?:\+\d{1,3}[ -]?)?(?:\(\d{2,4}\)[ -]?)?\d{2,5}(?:[ -]\d{2,6}){1,4}(?![\w-])")
 DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:example|test|invalid|localhost))$",
                          re.IGNORECASE)
+PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|changeme|redacted|your[_-]|<[^>]*>|\$\{\w+\}|^\$\w+$"
+                         r"|x{4,}|\*{3,}|\.{3}|…|\b(?:foo|bar|abc|1234)\b")
+SELF_QUOTE = re.compile(r"(?i)\b(?:my\s+(?:(?:system|initial|hidden|original|internal)\s+)?"
+                        r"(?:prompt|instructions?|system message|directives?|rules|guidelines)"
+                        r"|the\s+(?:system|hidden|initial)\s+(?:prompt|message|instructions?))\s*"
+                        r"(?:(?:is|are|says?|reads?|states?|goes|went|were|was)\b[^\"“:\n]{0,20})?:?\s*"
+                        r"[\"“](?P<v>[^\"”]{40,})[\"”]")  # first person or "the system prompt": a document's
+                                                          # "the rules state: \"...\"" is not a leak
 NGRAM = 8  # words of the system prompt repeated in a row that count as a leak
 
 
@@ -49,6 +68,17 @@ class Finding:
     end: int
     category: str  # secret | pii | system_prompt_leak
     kind: str  # for the marker: "api key", "card number", "email", ...
+
+
+def placeholder(value: str) -> bool:
+    """True for a documentation stand-in rather than a credential (see the module notes)."""
+    body = value.strip("\"'`")
+    if PLACEHOLDER.search(body):
+        return True
+    if re.fullmatch(r"[A-Z][A-Z_]*", body):  # USER, PASSWORD, YOUR_API_KEY, DBNAME
+        return True
+    core = re.sub(r"^(?:sk|pk|rk|gh[pousr]|xox[abprs]|hf|npm|AKIA|ASIA)[-_]?(?:live|test|proj)?[-_]?", "", body)
+    return len(set(core.lower())) < 6
 
 
 def luhn_ok(digits: str) -> bool:
@@ -80,6 +110,13 @@ class LeakMatcher:
             words = _words(text)
             self.shingles.update(tuple(w for w, _, _ in words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1))
 
+    def plus(self, protected: Iterable[str]) -> "LeakMatcher":
+        """A copy that also protects `protected` (one turn's own system message), leaving this one as it is."""
+        out = LeakMatcher(())
+        out.shingles = set(self.shingles)
+        out.add(protected)
+        return out
+
     def find(self, text: str) -> list[Finding]:
         if not self.shingles:
             return []
@@ -108,12 +145,21 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
     for kind, pattern in SECRET_PATTERNS:
         for m in pattern.finditer(text):
             group = "v" if "v" in pattern.groupindex else 0  # only the value of `key=value`
+            value = m.group(group)
+            if kind == "private key":
+                body = re.sub(r"-----[^-]*-----|\s", "", value)
+                if len(body) < 16 or re.search(r"\.{3}|…|<|(?i:example|your)", body):
+                    continue  # "-----BEGIN PRIVATE KEY-----\n...\n-----END PRIVATE KEY-----"
+            elif placeholder(value):
+                continue
             found.append(Finding(m.start(group), m.end(group), "secret", kind))
     for m in CARD.finditer(text):
         if _card_like(re.sub(r"\D", "", m.group())):
             found.append(Finding(m.start(), m.end(), "pii", "card number"))
     for m in EMAIL.finditer(text):
-        if not DOC_DOMAINS.search(m.group()):
+        before = text[:m.start()]
+        in_url = bool(before) and not before[-1].isspace() and "://" in before.rsplit(None, 1)[-1]
+        if not DOC_DOMAINS.search(m.group()) and not in_url:  # user:password@host is the URL's, not an email
             found.append(Finding(m.start(), m.end(), "pii", "email"))
     for m in PHONE.finditer(text):
         digits = re.sub(r"\D", "", m.group())
@@ -122,6 +168,8 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
             found.append(Finding(m.start(), m.end(), "pii", "phone number"))
     if leaks is not None:
         found += leaks.find(text)
+    for m in SELF_QUOTE.finditer(text):
+        found.append(Finding(m.start("v"), m.end("v"), "system_prompt_leak", "system prompt"))
     found.sort(key=lambda f: (f.start, -(f.end - f.start)))
     kept: list[Finding] = []
     for f in found:

@@ -33,6 +33,11 @@ class TurnTally:
         self.metrics = metrics
         self.prompt = self.cached = self.completion = 0
         self.reason: str | None = None
+        self.filtered = False  # the output guard stopped the answer
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The turn's finish reason in OpenAI's words: a stopped answer is `content_filter` too."""
+        return "content_filter" if self.filtered and reason in ("stop", "length") else finish_reason(reason)
 
     def see(self, event: Any) -> None:
         from assistant.events import Done, SafetyVerdict, Usage
@@ -41,8 +46,10 @@ class TurnTally:
             self.prompt, self.cached, self.completion = event.prompt_tokens, event.cached_tokens, event.completion_tokens
             if self.metrics is not None and event.context_window:
                 self.metrics.context_use.observe(min(1.0, event.prompt_tokens / event.context_window))
-        elif isinstance(event, SafetyVerdict) and self.metrics is not None:
-            self.metrics.safety.labels(event.stage, str(event.allowed).lower()).inc()
+        elif isinstance(event, SafetyVerdict):
+            self.filtered = self.filtered or (event.stage == "output" and not event.allowed)
+            if self.metrics is not None:
+                self.metrics.safety.labels(event.stage, str(event.allowed).lower()).inc()
         elif isinstance(event, Done):
             self.reason = event.finish_reason
 
@@ -98,7 +105,7 @@ def assistant_completion(assistant: Any, messages: list[dict], params: Any, stre
                     elif not isinstance(event, Done):  # sources, tool steps, ...: extra events clients ignore
                         yield f"event: assistant.{event.type}\ndata: {json.dumps(event.to_dict(), default=str)}\n\n"
                     else:
-                        yield chunk(cid, ASSISTANT_MODEL, {}, finish_reason(event.finish_reason))
+                        yield chunk(cid, ASSISTANT_MODEL, {}, tally.finish_reason(event.finish_reason))
                 yield "data: [DONE]\n\n"
             except Exception:
                 failed = True
@@ -127,5 +134,5 @@ def assistant_completion(assistant: Any, messages: list[dict], params: Any, stre
              "total_tokens": tally.prompt + tally.completion, "prompt_tokens_details": {"cached_tokens": tally.cached}}
     return JSONResponse({"id": cid, "object": "chat.completion", "created": int(time.time()), "model": ASSISTANT_MODEL,
                          "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                                      "finish_reason": finish_reason(done.finish_reason)}],
+                                      "finish_reason": tally.finish_reason(done.finish_reason)}],
                          "usage": usage, "sources": sources, "conversation_id": done.conversation_id}, headers=headers)

@@ -41,7 +41,8 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
 
 
 def finish_reason(reason: str | None) -> str | None:
-    return {"cancelled": "stop"}.get(reason or "", reason)
+    """An engine's or a turn's finish reason in OpenAI's words (a safety block is `content_filter`)."""
+    return {"cancelled": "stop", "blocked": "content_filter"}.get(reason or "", reason)
 
 
 def chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None) -> str:
@@ -101,7 +102,8 @@ def message_of(shape: Shape, text: str, reason: str | None) -> tuple[dict[str, A
 
 def status_of(reason: str | None) -> str:
     """A ledger status for an engine finish_reason."""
-    return {"stop": "ok", "length": "length", "cancelled": "cancelled", "tool_calls": "tool_calls"}.get(reason or "", "ok")
+    return {"stop": "ok", "length": "length", "cancelled": "cancelled", "tool_calls": "tool_calls",
+            "content_filter": "content_filter"}.get(reason or "", "ok")
 
 
 def drain(deltas: Iterator[TokenDelta]) -> tuple[str, TokenDelta]:

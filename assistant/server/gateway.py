@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 from starlette.concurrency import run_in_threadpool
 
 from assistant.config import AssistantConfig, TierConfig
+from assistant.errors import ConfigError
 from assistant.server.admission import Admission
 from assistant.server.auth import Authenticator, Principal
 from assistant.server.limits import UNLIMITED, Decision, Limiter, MemoryLimiter, create_limiter
@@ -95,8 +96,9 @@ class Ticket:
 class Gateway:
     def __init__(self, auth: Authenticator, *, limiter: Limiter | None = None, ledger: Any = None, owners: Any = None,
                  admission: Admission | None = None, metrics: Metrics | None = None, max_body_bytes: int = 4 << 20,
-                 max_upload_bytes: int = 64 << 20, shared_library: bool = False) -> None:
+                 max_upload_bytes: int = 64 << 20, shared_library: bool = False, safety: Any = None) -> None:
         self.auth = auth
+        self.safety = safety  # the SafetyLayer whose policy a tier names (None: safety is off)
         self.shared_library = shared_library  # keys also see the documents no key owns (server.shared_library)
         self.limiter = limiter or MemoryLimiter()
         self.ledger, self.owners = ledger, owners
@@ -112,10 +114,18 @@ class Gateway:
         admission = Admission(s.max_running, s.max_queued)
         engine = assistant.models.engine()
         stats = getattr(engine, "stats", None)
+        safety = getattr(assistant, "safety", None)
+        if safety is not None:  # a tier naming a policy that does not exist stops the server here, not a turn
+            for name, tier in s.tiers.items():
+                if tier.safety_policy:
+                    try:
+                        safety.policies.get(tier.safety_policy)
+                    except Exception as e:
+                        raise ConfigError(f"[server.tiers.{name}] safety_policy: {e}") from e
         return cls(Authenticator.from_config(config, assistant.keys), limiter=create_limiter(s.redis_url),
                    ledger=assistant.usage, owners=assistant.owners, admission=admission,
                    metrics=Metrics(stats if callable(stats) else None, admission), max_body_bytes=s.max_body_bytes,
-                   max_upload_bytes=s.max_upload_bytes, shared_library=s.shared_library)
+                   max_upload_bytes=s.max_upload_bytes, shared_library=s.shared_library, safety=safety)
 
     @classmethod
     def from_keys(cls, api_keys: tuple[str, ...] = ()) -> "Gateway":
@@ -172,9 +182,19 @@ class Gateway:
         return owner == principal.key_id if principal.key_id else owner is None
 
     def claim(self, principal: Principal, kind: str, resource_id: str) -> None:
-        """Record the caller's key as the owner, unless the resource has one already (a re-upload)."""
+        """Record the caller's key as the owner, unless the resource has one already (a re-upload). A
+        conversation the key starts takes its tier's safety policy."""
         if self.owners is not None and principal.key_id and self.owners.owner(kind, resource_id) is None:
             self.owners.claim(kind, resource_id, principal.key_id)
+            policy = self.safety_policy(principal)
+            if kind == "conversation" and policy:
+                self.safety.set_policy(resource_id, policy)
+
+    def safety_policy(self, principal: Principal) -> str | None:
+        """The safety policy the caller's tier names (None: the server's own, or safety is off)."""
+        if self.safety is None or principal.tier is None:
+            return None
+        return principal.tier.safety_policy or None
 
     def forget(self, kind: str, resource_id: str) -> None:
         """Drop the owner row of a deleted resource (and a document's conversation link)."""

@@ -84,7 +84,8 @@ def create_moderation_api(assistant: Any, gateway: Gateway) -> APIRouter:
         if isinstance(ticket, Refusal):
             return _error(ticket.status, ticket.message, None, ticket.type, ticket.headers, ticket.code)
         try:
-            results = await run_in_threadpool(lambda: [assistant.safety.moderate(t) for t in texts])
+            policy = gateway.safety_policy(principal)  # the key's tier's policy decides `flagged`
+            results = await run_in_threadpool(lambda: [assistant.safety.moderate(t, policy=policy) for t in texts])
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")
             raise

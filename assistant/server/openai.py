@@ -43,6 +43,7 @@ from assistant.server.assistant_model import ASSISTANT_MODEL, assistant_completi
 from assistant.server.auth import UNAUTHORIZED
 from assistant.server.completions import Shape, drain, error_body, message_of, sse, status_of, usage_of
 from assistant.server.gateway import Gateway, Refusal, Ticket
+from assistant.server.guarded import blocked_completion, check_input, guard_deltas, system_texts
 from assistant.server.response_cache import ResponseCache, recording, replay
 from assistant.server.schemas import MAX_TOKENS_DEFAULT, RequestError, parse_chat_request, parse_embeddings_request
 from assistant.server.streaming import ClosingStreamingResponse
@@ -169,10 +170,19 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
                 return await run_in_threadpool(assistant_completion, assistant, messages, params, req.stream,
                                                ticket=ticket, gateway=gateway, metrics=gateway.metrics,
                                                images=last_pictures)
+            safety = getattr(assistant, "safety", None)
+            out = None
+            if safety is not None:  # the same guards as a turn (assistant/server/guarded.py)
+                policy = gateway.safety_policy(principal)
+                verdict = await run_in_threadpool(check_input, safety, policy, principal.key_id, messages)
+                if not verdict.allowed:
+                    return await run_in_threadpool(lambda: blocked_completion(verdict, model=model, stream=req.stream,
+                                                                              ticket=ticket))
+                out = safety.output_guard_for(policy, protect=system_texts(messages))
             cached, record = ((None, None) if any(pictures) else
                               await run_in_threadpool(cache_lookup, principal, model, messages, params, req))
             return await _raw_completion(engine_for(model), req, messages, params, model, ticket, gateway, request,
-                                         cached=cached, record=record)
+                                         cached=cached, record=record, out=out)
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")  # no-op when the response already finished it
             raise
@@ -237,9 +247,11 @@ def response_cache_of(assistant: Any, embedding_model: str | None) -> ResponseCa
 
 
 async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params: Any, model: str, ticket: Ticket,
-                          gateway: Gateway, request: Request, cached: Any = None, record: Any = None) -> Any:
+                          gateway: Gateway, request: Request, cached: Any = None, record: Any = None,
+                          out: Any = None) -> Any:
     """`cached`: the deltas of an answer from the response cache (the engine is not asked); `record`: wraps
-    the engine's deltas to store the answer when it completes."""
+    the engine's deltas to store the answer when it completes; `out`: the request's OutputGuard (None:
+    safety is off), applied before the cache records, so the cache only holds guarded answers."""
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     shape = Shape.of(req, cid, model)
 
@@ -251,6 +263,8 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
     try:  # the chat template and tokenising run here: off the event loop
         deltas = cached if cached is not None else await run_in_threadpool(
             engine.generate, shape.messages(messages), params, tools=req.engine_tools())
+        if out is not None and cached is None:
+            deltas = guard_deltas(deltas, out)
         if record is not None:
             deltas = record(deltas)
     except EngineBusy as e:
