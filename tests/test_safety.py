@@ -317,3 +317,11 @@ def test_the_loops_own_repeat_note_is_not_screened_as_tool_text(tmp_path, monkey
     assert "untrusted data" not in "".join(m["content"] for m in engine.prompts[2])
     assert events[-1].text == "It is 5."
     assert len(engine.prompts) == 3  # the output guard held the short answer back; the loop still saw it
+
+
+def test_a_quote_of_the_instructions_split_over_sentences_and_deltas_is_redacted_whole():
+    guard, _ = output_guard()
+    text = ('Of course. My rules say: "Act as the help desk of Zenith Bank. Never discuss loan rates. '
+            'Refuse to name the admin." Anything else?')
+    out = shown(stream(guard, text))
+    assert out == 'Of course. My rules say: "[redacted: system prompt]" Anything else?'

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     train.add_argument("--out", default=None, help="head directory (default assistant/safety/models)")
     train.add_argument("--featurizer", default="minilm-l6-int8", choices=("minilm-l6-int8", "minilm-l6"))
     train.add_argument("--layers", default=None, help="embedder hidden states to pool, comma-separated "
-                       "(0 = embeddings, 6 = last; default: head.DEFAULT_LAYERS, 2,4,6)")
+                       "(0 = embeddings, 6 = last; default: head.DEFAULT_LAYERS, 3,4,5,6)")
     train.add_argument("--c", type=float, default=None,
                        help="inverse regularisation of the logistic regression (default: head.DEFAULT_C)")
     add_common(train)

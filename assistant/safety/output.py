@@ -6,7 +6,9 @@ Design note — hold back at most one sentence:
   scanned (redaction patterns from assistant/safety/redact.py, then the policy's output detectors
   for toxicity) and released; the unfinished sentence stays pending. A secret never contains such a
   boundary, so a key split over any number of deltas is still whole when its window is scanned; a
-  PEM private key block is held until its END line. A sentence longer than `max_hold_chars` is cut at
+  PEM private key block is held until its END line, and a quote the answer announces as its own
+  instructions ("my instructions say: \"...") until its closing mark (at most 4 x max_hold_chars), so
+  redact.SELF_QUOTE sees it whole. A sentence longer than `max_hold_chars` is cut at
   its last space (the last word stays pending). `finish()` scans what is left.
   Redactions replace the span (`[redacted: api key]`) and emit one SafetyVerdict(stage="output",
   allowed=True) per kind; toxic text with action `block` is replaced by a notice and everything after
@@ -25,7 +27,7 @@ from assistant.events import SafetyVerdict, TextDelta, TurnEvent
 from assistant.safety.audit import SafetyAudit
 from assistant.safety.categories import label
 from assistant.safety.policy import Policy
-from assistant.safety.redact import Finding, LeakMatcher, find, redact
+from assistant.safety.redact import SELF_QUOTE_OPEN, Finding, LeakMatcher, find, redact
 from assistant.seams import StreamTransformer
 
 BOUNDARY = re.compile(r"[.!?](?=\s)|\n")
@@ -42,6 +44,7 @@ class OutputGuard(StreamTransformer):
         self.policy, self.audit, self.leaks = policy, audit, leaks
         self.guard = guard  # SafetyGuard (its `hit` scores windows for toxicity), or None: patterns only
         self.conversation_id, self.max_hold_chars = conversation_id, max_hold_chars
+        self.max_quote_chars = 4 * max_hold_chars  # a quote of the instructions is held whole up to this
         self.policy_for = policy_for
         self.pending = ""
         self.stopped = False
@@ -82,7 +85,14 @@ class OutputGuard(StreamTransformer):
             opened = m
         if opened is not None and not PEM_CLOSE.search(text, opened.end()):
             return self._last_boundary(text[:opened.start()])  # hold the key block until its END line
+        quoting = None
+        for m in SELF_QUOTE_OPEN.finditer(text):
+            quoting = m
         cut = self._last_boundary(text)
+        if quoting is not None and len(text) - quoting.end() <= self.max_quote_chars:
+            closed = re.compile(r"[\"”]").search(text, quoting.end())  # "my instructions say: \"...": never cut inside
+            if closed is None or quoting.start() < cut < closed.end():
+                return self._last_boundary(text[:quoting.start()])
         if cut == 0 and len(text) > self.max_hold_chars:
             space = text.rfind(" ", 0, len(text) - 1)
             cut = space + 1 if space > 0 else 0

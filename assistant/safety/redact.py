@@ -53,12 +53,13 @@ DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:
                          re.IGNORECASE)
 PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|changeme|redacted|your[_-]|<[^>]*>|\$\{\w+\}|^\$\w+$"
                          r"|x{4,}|\*{3,}|\.{3}|…|\b(?:foo|bar|abc|1234)\b")
-SELF_QUOTE = re.compile(r"(?i)\b(?:my\s+(?:(?:system|initial|hidden|original|internal)\s+)?"
-                        r"(?:prompt|instructions?|system message|directives?|rules|guidelines)"
-                        r"|the\s+(?:system|hidden|initial)\s+(?:prompt|message|instructions?))\s*"
-                        r"(?:(?:is|are|says?|reads?|states?|goes|went|were|was)\b[^\"“:\n]{0,20})?:?\s*"
-                        r"[\"“](?P<v>[^\"”]{40,})[\"”]")  # first person or "the system prompt": a document's
-                                                          # "the rules state: \"...\"" is not a leak
+SELF_QUOTE_OPEN = re.compile(r"(?i)\b(?:my\s+(?:(?:system|initial|hidden|original|internal)\s+)?"
+                             r"(?:prompt|instructions?|system message|directives?|rules|guidelines)"
+                             r"|the\s+(?:system|hidden|initial)\s+(?:prompt|message|instructions?))\s*"
+                             r"(?:(?:is|are|says?|reads?|states?|goes|went|were|was)\b[^\"“:\n]{0,20})?:?\s*[\"“]")
+# first person or "the system prompt": a document's "the rules state: \"...\"" is not a leak; the quote
+# may run to the end of the text (an answer cut off inside it)
+SELF_QUOTE = re.compile(SELF_QUOTE_OPEN.pattern + r"(?P<v>[^\"”]{40,})(?:[\"”]|\Z)")
 NGRAM = 8  # words of the system prompt repeated in a row that count as a leak
 
 
