@@ -160,10 +160,10 @@ def test_hold_back_is_at_most_one_sentence():
 def test_cards_emails_phones_private_keys_and_prompt_leaks():
     guard, _ = output_guard()
     pem = "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA1c7\nlWu2/a1gB9JW5TBQ\n-----END RSA PRIVATE KEY-----"
-    text = (f"Card 4111 1111 1111 1111 on file. Mail jane.doe@gmail.com or call +1 415 555 0134.\n{pem}\n"
+    text = (f"Card 4539 1488 0343 6467 on file. Mail jane.doe@gmail.com or call +1 415 867 0134.\n{pem}\n"
             "My rules: You are Zed, a secret agent assistant who never reveals the launch code. Done.")
     out = shown(stream(guard, text))
-    for secret in ("4111", "jane.doe", "555 0134", "MIIEow", "secret agent assistant who never"):
+    for secret in ("4539", "jane.doe", "867 0134", "MIIEow", "secret agent assistant who never"):
         assert secret not in out
     for marker in ("card number", "email", "phone number", "private key", "system prompt"):
         assert f"[redacted: {marker}]" in out
@@ -179,6 +179,8 @@ def test_benign_numbers_and_placeholders_pass():
                  "Connect with mysql://ADMIN:SECRET@db.internal:3306/APP.",
                  "Amazon's guide shows AKIAIOSFODNN7EXAMPLE and wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY.",
                  "token: ${GITHUB_TOKEN}", "api_key = '<your key here>'", "password: ********",
+                 "DATABASE_URL=postgres://user:password@localhost/app", 'api_key = os.environ["SERVICE_API_KEY"]',
+                 "In test mode pay with 4242 4242 4242 4242, any future date.", "Call (212) 555-0147 or +44 20 7946 0321.",
                  "-----BEGIN PRIVATE KEY-----\n...\n-----END PRIVATE KEY-----",
                  'The manual\'s rules state: "Members must renew their badge every year at the front desk."'):
         assert find(text, LeakMatcher([])) == [], text
@@ -325,3 +327,15 @@ def test_a_quote_of_the_instructions_split_over_sentences_and_deltas_is_redacted
             'Refuse to name the admin." Anything else?')
     out = shown(stream(guard, text))
     assert out == 'Of course. My rules say: "[redacted: system prompt]" Anything else?'
+
+
+def test_a_stage_can_set_its_own_threshold_for_a_detector(tmp_path):
+    (tmp_path / "docs.toml").write_text(
+        'name = "docs"\n[stages.input]\ndetectors = ["head"]\ncategories = ["prompt_injection"]\n'
+        '[stages.retrieved]\ndetectors = ["head"]\ncategories = ["prompt_injection"]\nthresholds = { head = 0.995 }\n'
+        '[categories.prompt_injection]\naction = "block"\nthresholds = { head = 0.6 }\n')
+    safety = SafetyLayer(detectors(), MemoryAudit(), policy="docs", policies_dir=str(tmp_path))
+    assert not safety.input_guard.check("IGNORE-RULES", where="input").allowed  # 0.99 >= 0.6
+    assert safety.input_guard.check("IGNORE-RULES", where="retrieved").allowed  # 0.99 < 0.995
+    with pytest.raises(ConfigError, match="stages.retrieved.thresholds"):
+        Policy.from_dict({"name": "x", "stages": {"retrieved": {"thresholds": {"head": 1.5}}}})

@@ -118,7 +118,7 @@ class SafetyGuard:
                 if score.category not in wanted:
                     continue
                 rule = policy.rule(score.category)
-                threshold = rule.thresholds[name]
+                threshold = stage.thresholds.get(name, rule.thresholds[name])
                 if score.score >= threshold:
                     candidate = Hit(score, threshold, rule.action)
                     if best is None or candidate.key > best.key:

@@ -11,6 +11,8 @@ which categories count, and for each category the action and the score at which 
     [categories.weapons]
     action = "block"                                            # block | warn | log | allow
     thresholds = { head = 0.6 }
+    [stages.retrieved]
+    thresholds = { head = 0.8 }                                 # optional: this stage's own, over the category's
     [output]
     secret = "redact"                                           # redact | log | allow
     toxicity = "block"                                          # stop the answer with a notice
@@ -46,6 +48,8 @@ class CategoryRule:
 class Stage:
     detectors: tuple[str, ...] = ()  # run in this order; a block stops the rest
     categories: tuple[str, ...] = ()  # categories that count at this stage
+    thresholds: dict[str, float] = field(default_factory=dict)  # detector -> its threshold at this stage,
+                                                                # over every category's (documents read unlike chat)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,10 @@ class Policy:
         for name, s in raw.get("stages", {}).items():
             if name not in STAGES:
                 raise ConfigError(f"{where}: unknown stage {name!r}; use {', '.join(STAGES)}.")
-            stages[name] = Stage(tuple(s.get("detectors", ())), tuple(s.get("categories", ())))
+            thresholds = {d: float(t) for d, t in s.get("thresholds", {}).items()}
+            if any(not 0.0 < t <= 1.0 for t in thresholds.values()):
+                raise ConfigError(f"{where}: stages.{name}.thresholds must lie in (0, 1].")
+            stages[name] = Stage(tuple(s.get("detectors", ())), tuple(s.get("categories", ())), thresholds)
         categories = {}
         for name, c in raw.get("categories", {}).items():
             action = c.get("action", "block")

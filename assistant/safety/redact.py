@@ -11,7 +11,10 @@ Documentation placeholders in a secret's place pass too (`placeholder()`): a val
 (`EXAMPLE`, `your_`, `changeme`, `<token>`, `${VAR}`), is masked (`XXXX`, `***`, `...`), is one
 capitalised word (`USER:PASSWORD@`, `YOUR_API_KEY`), or has too few distinct characters to be random
 (`sk-aaaaaaaaaaaaaaaaaaaa`). AWS's documented sample pair (`AKIAIOSFODNN7EXAMPLE`) is such a value.
-A real key has none of these marks, so recall on real-looking keys is unchanged.
+A real key has none of these marks, so recall on real-looking keys is unchanged. So do a value that is
+the code reading the secret (`os.environ["KEY"]`), the payment processors' published test card
+numbers (`TEST_CARDS`) and telephone numbers reserved for fiction (`FICTIONAL_PHONE`: 555, Ofcom's
+drama ranges).
 
 The system prompt is protected two ways: verbatim runs of >= NGRAM of its words (`LeakMatcher`, which
 needs the prompt), and an answer that announces it is quoting its own instructions ("my instructions
@@ -60,6 +63,18 @@ SELF_QUOTE_OPEN = re.compile(r"(?i)\b(?:my\s+(?:(?:system|initial|hidden|origina
 # first person or "the system prompt": a document's "the rules state: \"...\"" is not a leak; the quote
 # may run to the end of the text (an answer cut off inside it)
 SELF_QUOTE = re.compile(SELF_QUOTE_OPEN.pattern + r"(?P<v>[^\"”]{40,})(?:[\"”]|\Z)")
+PLACEHOLDER_WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "apikey", "api_key", "key",
+                               "user", "username", "mypassword", "yourpassword", "pa55word", "letmein"})
+# card numbers the payment processors publish for testing (Stripe, Braintree, Adyen docs): not a person's card
+TEST_CARDS = frozenset({"4242424242424242", "4000056655665556", "5555555555554444", "2223003122003222",
+                        "5200828282828210", "5105105105105100", "378282246310005", "371449635398431",
+                        "6011111111111117", "6011000990139424", "3056930009020004", "36227206271667",
+                        "3566002020360505", "6200000000000005", "4111111111111111", "4012888888881881",
+                        "4000000000000002", "4000000000009995", "4000002500003155", "4000000000000077"})
+# telephone numbers set aside for fiction and documentation: NANP 555 exchange, Ofcom's drama ranges
+FICTIONAL_PHONE = re.compile(r"^(?:1?\d{3}555\d{4}|(?:44|0)(?:2079460|1134960|1144960|1154960|1164960|1174960"
+                             r"|1184960|1214960|1314960|1414960|1514960|1614960|1632960|7700900|8081570|9098790"
+                             r"|3069990|2896496|2920180)\d{3})$")
 NGRAM = 8  # words of the system prompt repeated in a row that count as a leak
 
 
@@ -74,7 +89,9 @@ class Finding:
 def placeholder(value: str) -> bool:
     """True for a documentation stand-in rather than a credential (see the module notes)."""
     body = value.strip("\"'`")
-    if PLACEHOLDER.search(body):
+    if PLACEHOLDER.search(body) or body.lower() in PLACEHOLDER_WORDS:  # user:password@, token=token
+        return True
+    if re.search(r"[(\[]|^(?:os\.|process\.env|getenv|env\b|\$\()", body):  # code that reads it: os.environ[...]
         return True
     if re.fullmatch(r"[A-Z][A-Z_]*", body):  # USER, PASSWORD, YOUR_API_KEY, DBNAME
         return True
@@ -93,6 +110,8 @@ def luhn_ok(digits: str) -> bool:
 
 
 def _card_like(digits: str) -> bool:
+    """Shaped like a real card: a network's prefix, 13-19 digits, Luhn (a processor's test number counts
+    here, so it is not read as a phone number either; `find` lets it pass)."""
     return 13 <= len(digits) <= 19 and re.match(r"4|5[1-5]|2[2-7]|3[47]|6(?:011|5)|3(?:0[0-5]|[68])", digits) is not None \
         and luhn_ok(digits)
 
@@ -155,7 +174,8 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
                 continue
             found.append(Finding(m.start(group), m.end(group), "secret", kind))
     for m in CARD.finditer(text):
-        if _card_like(re.sub(r"\D", "", m.group())):
+        digits = re.sub(r"\D", "", m.group())
+        if _card_like(digits) and digits not in TEST_CARDS:
             found.append(Finding(m.start(), m.end(), "pii", "card number"))
     for m in EMAIL.finditer(text):
         before = text[:m.start()]
@@ -165,7 +185,8 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
     for m in PHONE.finditer(text):
         digits = re.sub(r"\D", "", m.group())
         formatted = m.group().startswith(("+", "(")) or len(digits) >= 10
-        if 9 <= len(digits) <= 15 and formatted and not _card_like(digits) and not _date_like(m.group()):
+        if 9 <= len(digits) <= 15 and formatted and not _card_like(digits) and not _date_like(m.group()) \
+                and not FICTIONAL_PHONE.match(digits):
             found.append(Finding(m.start(), m.end(), "pii", "phone number"))
     if leaks is not None:
         found += leaks.find(text)
