@@ -158,10 +158,11 @@ class AgentLoop:
         self.guard, self.transformers, self.prefetch, self.summarize = guard, list(transformers), prefetch, summarize
 
     # -- the one door in ------------------------------------------------------------------------
-    def observe(self, text: str, turn: TurnState, *, where: str) -> tuple[str, SafetyVerdict | None]:
-        """Screen text that is about to enter the context; quarantined text comes back fenced."""
+    def observe(self, text: str, turn: TurnState, *, where: str, screen: str | None = None) -> tuple[str, SafetyVerdict | None]:
+        """Screen text that is about to enter the context; quarantined text comes back fenced. `screen`:
+        the passage's own text, when `text` is its rendering (the guard's scores of it may be cached)."""
         turn.evidence.append(text)
-        verdict = self.guard.check(text, where=where)
+        verdict = self.guard.check(screen or text, where=where)
         if verdict.allowed:
             return text, None
         turn.quarantined.append({"where": where, "category": verdict.category, "score": verdict.score,
@@ -291,8 +292,9 @@ class AgentLoop:
         yield ToolCallStarted(call_id, found.tool, found.arguments)
         yield ToolCallFinished(call_id, found.tool, True, found.summary)
         context = []
-        for passage in found.passages:
-            observed, verdict = self.observe(passage, turn, where="retrieved")
+        texts = getattr(found, "texts", None) or [None] * len(found.passages)
+        for passage, own in zip(found.passages, texts):
+            observed, verdict = self.observe(passage, turn, where="retrieved", screen=own)
             if verdict is not None:
                 yield verdict
             context.append(observed)

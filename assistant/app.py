@@ -86,9 +86,11 @@ class Documents:
     """The user's document library: ingestion goes through the retriever's own index, because an
     embedded index has one owner process (the one that also answers searches)."""
 
-    def __init__(self, handle: Any, describe_image: Callable[[Path], str] | None = None) -> None:
+    def __init__(self, handle: Any, describe_image: Callable[[Path], str] | None = None,
+                 screen: Callable[[list[str]], int] | None = None) -> None:
         self._handle = handle  # tools.retrieval.RetrieverHandle, or None when ingest/ is not installed
         self._describe_image = describe_image  # image file -> what it shows + text read (indexed with it)
+        self._screen = screen  # SafetyLayer.screen: a new document's chunks are scored once, at ingest
 
     @property
     def available(self) -> bool:
@@ -103,9 +105,17 @@ class Documents:
         """Ingest files; yields one ingest.pipeline.FileResult per file (failed ones say why)."""
         from ingest.pipeline import expand_paths
 
-        ingester = self._retriever().ingester(describe_image=self._describe_image)
+        retriever = self._retriever()
+        ingester = retriever.ingester(describe_image=self._describe_image)
         try:
-            yield from ingester.ingest(expand_paths(paths), on_progress)
+            for result in ingester.ingest(expand_paths(paths), on_progress):
+                if self._screen is not None and result.status in ("added", "updated") and result.doc_id:
+                    texts = retriever.chunk_texts(result.doc_id)
+                    flagged = self._screen(texts)
+                    if flagged:
+                        result.warnings.append(f"{flagged} of {len(texts)} passages look like instructions to the "
+                                               "model; they will reach it fenced as untrusted data.")
+                yield result
         finally:
             self._handle.refresh()
 
@@ -275,7 +285,8 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
             prefetch = DocumentPrefetch(handle, k=min(config.retrieval.top_k, 4))
         media = media or Modalities(config)
         # the describer loads on the first picture ingested, not before
-        documents = Documents(handle, describe_image=lambda path: media.describer.document_text(path))
+        documents = Documents(handle, describe_image=lambda path: media.describer.document_text(path),
+                              screen=safety.screen if safety is not None else None)
         orchestrator = Orchestrator(engine, store, config, tools=registry, router=router, options=options,
                                     prefetch=prefetch, input_guard=input_guard, transformers=transformers,
                                     prestage=prestage or media, speaker=media.speech_stream,

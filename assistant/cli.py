@@ -38,7 +38,31 @@ def build_parser() -> argparse.ArgumentParser:
         register = _load_register(entry)
         if register is not None:
             register(sub, add_common)
+    ingest = sub.choices.get("ingest")
+    if ingest is not None:  # the document CLI screens new chunks with the core's safety layer
+        ingest.set_defaults(func=_screened(ingest.get_default("func")))
     return parser
+
+
+def _screened(func: Callable) -> Callable:
+    def run(args: argparse.Namespace, config: AssistantConfig) -> int:
+        if not config.safety.enabled:
+            return func(args, config)
+        try:
+            from assistant.safety.layer import SafetyLayer
+        except ImportError as e:
+            print(f"Note: new documents are not screened for injected instructions now ({e.name} is not "
+                  "installed; a query screens each passage on first use): run `make setup`.", file=sys.stderr)
+            return func(args, config)
+        from assistant.store import Store
+
+        store = Store(config.store_url)  # the score cache lives beside the audit log
+        try:
+            return func(args, config, screen=SafetyLayer.from_config(config, store).screen)
+        finally:
+            store.close()
+
+    return run
 
 
 def _load_register(entry: importlib.metadata.EntryPoint) -> Callable | None:

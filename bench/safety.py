@@ -1,7 +1,8 @@
 """Benchmark: the safety input check's latency, and what a guarded turn adds to time-to-first-token.
 
 Runs the default policy's input check on every user message of tests/data/safety_*.jsonl (after a
-warm-up that loads every model), one torch thread as in `serve` on this box, and reports p50/p95.
+warm-up that loads every model), one torch thread as in `serve` on this box, and reports p50/p95, for
+all and apart for English-looking messages (the fast head) and the rest (the full head, with e5).
 The TTFT part runs turns through build_assistant with a scripted engine that sleeps `--engine-ms`
 before its first token (a stand-in for the model's prefill; pass the prefill time you measured with
 bench/engine.py), guarded vs unguarded in the same run, and reports the added fraction.
@@ -34,14 +35,26 @@ def input_latency(rows: list[dict], repeats: int) -> dict:
     started = time.perf_counter()
     guard.check("warm-up: load every model", where="input")
     load_s = time.perf_counter() - started
-    times = []
+    from assistant.safety.head import looks_english
+
+    times, english = [], []
     for _ in range(repeats):
         for row in rows:
             t = time.perf_counter()
             guard.check(row["text"], where="input")
             times.append((time.perf_counter() - t) * 1000)
-    return {"num_checks": len(times), "load_s": round(load_s, 2), "p50_ms": round(float(np.percentile(times, 50)), 2),
-            "p95_ms": round(float(np.percentile(times, 95)), 2), "max_ms": round(max(times), 2)}
+            english.append(looks_english(row["text"]))
+    times_a, english_a = np.array(times), np.array(english)
+    out = {"num_checks": len(times), "load_s": round(load_s, 2), "p50_ms": _pct(times_a, 50),
+           "p95_ms": _pct(times_a, 95), "max_ms": round(max(times), 2)}
+    for name, mask in (("english", english_a), ("other", ~english_a)):  # the fast head, or the full head with e5
+        out[name] = {"share": round(float(mask.mean()), 4), "p50_ms": _pct(times_a[mask], 50),
+                     "p95_ms": _pct(times_a[mask], 95)}
+    return out
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return round(float(np.percentile(values, q)), 2) if len(values) else 0.0
 
 
 def ttft(messages: list[str], engine_ms: float, guarded: bool, tmp: Path) -> list[float]:
@@ -74,12 +87,16 @@ def main() -> None:
     parser.add_argument("--engine-ms", type=float, default=400.0, help="stand-in prefill time of the model")
     parser.add_argument("--turns", type=int, default=30)
     args = parser.parse_args()
-    rows = [json.loads(line) for name in ("safety_train.jsonl", "safety_heldout.jsonl")
+    rows = [json.loads(line) for name in ("safety_train.jsonl", "safety_heldout.jsonl", "safety_heldout_v2.jsonl",
+                                          "safety_heldout_v3.jsonl", "safety_heldout_v4.jsonl")
             for line in (ROOT / "tests" / "data" / name).open() if line.strip()]
     rows = [r for r in rows if r.get("where", "input") == "input"]
     result = {"input_check": input_latency(rows, args.repeats)}
     print(f"input check over {result['input_check']['num_checks']} messages: p50 {result['input_check']['p50_ms']} ms, "
           f"p95 {result['input_check']['p95_ms']} ms (goal <= 30 ms)")
+    for name, what in (("english", "English-looking (fast head)"), ("other", "other languages and very short (+ e5)")):
+        part = result["input_check"][name]
+        print(f"  {what}: {part['share']:.0%} of messages, p50 {part['p50_ms']} ms, p95 {part['p95_ms']} ms")
     import tempfile
 
     benign = [r["text"] for r in rows if r["label"] == "allow"][: args.turns]

@@ -53,6 +53,12 @@ class FileResult:
     warnings: list[str] = field(default_factory=list)  # pages skipped inside an otherwise good file
 
 
+def chunk_texts(index: Any, doc_id: str) -> list[str]:
+    """The visible chunks' texts of one document, in order (what a search hit's passage holds)."""
+    chunks = index.scroll({"kind": "chunk", "visible": 1, "doc_id": doc_id})
+    return [c["text"] for c in sorted(chunks, key=lambda c: c["chunk_index"])]
+
+
 def doc_id_for(path: Path) -> str:
     return hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
 

@@ -86,8 +86,9 @@ def test_the_head_file_matches_its_card():
     from assistant.safety.head import SafetyHead
 
     head = SafetyHead.load()
-    assert head.featurizer == "minilm-l6-int8" and head.layers == tuple(head.card["layers"])
-    assert head.weights.shape == (len(head.classes), 384 * len(head.layers))  # one 384-d block per pooled layer
+    assert head.featurizer == "minilm-l6-int8+e5" and head.layers == tuple(head.card["layers"])
+    # one 384-d block per pooled MiniLM layer, then multilingual-e5-small's 384
+    assert head.weights.shape == (len(head.classes), 384 * len(head.layers) + 384)
     assert head.card["trained_on"]["file"] == "safety_train.jsonl"
 
 

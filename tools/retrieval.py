@@ -26,7 +26,7 @@ import logging
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -349,6 +349,8 @@ class Prefetched:
     passages: list[str]  # rendered "[n] doc p. N (section S): text", best first
     summary: str  # one line for display
     count: bool = False  # a "how many" question over one section: the agent loop counts by listing
+    texts: list[str] = field(default_factory=list)  # each passage's own text (no header): what the safety
+                                                    # guard screens, so scores cached at ingest are found
 
 
 def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
@@ -413,8 +415,9 @@ class DocumentPrefetch:
         if SUMMARY.search(question) and (named or DOCUMENT_WORDS.search(question)):
             named = named or documents[:2]
             found = [page for d in named for page in read_pages(handle, d)]
-            _, rendered, _ = render_within(ledger, found, self.max_read_chars)
-            return Prefetched("read_document", {"documents": named}, rendered, f"read {len(rendered)} pages")
+            shown, rendered, _ = render_within(ledger, found, self.max_read_chars)
+            return Prefetched("read_document", {"documents": named}, rendered, f"read {len(rendered)} pages",
+                              texts=[p.text for p in shown])
         query = retrieval_query(question, history)
         if COUNTING.search(question) and callable(getattr(retriever, "section", None)):
             named = named_section(question)
@@ -426,10 +429,11 @@ class DocumentPrefetch:
                             for p in pages]
                 where = f"{doc_name(hit)} section {hit.heading or '(untitled)'}"
                 return Prefetched("read_section", {"document": doc_name(hit), "section": hit.heading},
-                                  [p.render() for p in passages], where, count=True)
+                                  [p.render() for p in passages], where, count=True, texts=[p.text for p in passages])
         hits = retriever.search(query, self.k, None)
         asks_documents = DOCUMENT_WORDS.search(question) is not None
         wanted = content_words(query)
         passages = [add_hit(ledger, h) for h in hits if asks_documents or wanted & content_words(h.text)]
         where = ", ".join(dict.fromkeys(f"{p.doc} p. {p.page}" for p in passages)) or "nothing relevant"
-        return Prefetched("search_documents", {"query": query}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where)
+        return Prefetched("search_documents", {"query": query}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where,
+                          texts=[p.text for p in passages])

@@ -1,4 +1,11 @@
-"""The safety audit log and per-conversation policy choices, as tables in the conversation store.
+"""The safety audit log, per-conversation policy choices and the score cache of screened passages,
+as tables in the conversation store.
+
+The score cache (`safety_scores`) keeps a costly detector's scores of a retrieved passage or tool
+result by the sha256 of the text and the detector's key (which head file, which path), so a passage
+is scored once: at ingest for every chunk (`SafetyLayer.screen`), otherwise on its first use, never
+again by a later query or after a restart. Scores, not verdicts, are kept, so every policy applies its
+own thresholds to them.
 
 Every block, quarantine, warning and redaction writes one row: when, which conversation (and API
 key id, once the gateway passes one), the policy, stage, category, action, score, threshold,
@@ -15,7 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, select
+import json
+
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, select
 from sqlalchemy.engine import Engine as SqlEngine
 
 metadata = MetaData()
@@ -43,6 +52,15 @@ safety_policy_choice = Table(
     Column("conversation_id", String(64), primary_key=True),
     Column("policy", String(64), nullable=False),
     Column("updated_at", Float, nullable=False),
+)
+
+safety_scores = Table(
+    "safety_scores",
+    metadata,
+    Column("text_sha256", String(64), primary_key=True),
+    Column("detector_key", String(96), primary_key=True),  # e.g. "head:full:<sha256 of the head file>"
+    Column("scores", Text, nullable=False),  # JSON [[category, score], ...]
+    Column("created_at", Float, nullable=False),
 )
 
 
@@ -99,6 +117,22 @@ class SafetyAudit:
         with self.db.connect() as c:
             return [AuditRecord(**r) for r in c.execute(query).mappings().all()]
 
+    def cached_scores(self, text: str, key: str) -> list[tuple[str, float]] | None:
+        self._create()
+        with self.db.connect() as c:
+            row = c.execute(select(safety_scores.c.scores).where(
+                (safety_scores.c.text_sha256 == excerpt_hash(text)) & (safety_scores.c.detector_key == key))).first()
+        return [(str(c_), float(v)) for c_, v in json.loads(row[0])] if row else None
+
+    def cache_scores(self, text: str, key: str, scores: list[tuple[str, float]]) -> None:
+        self._create()
+        sha = excerpt_hash(text)
+        with self.db.begin() as c:  # a concurrent writer of the same text wrote the same scores
+            c.execute(safety_scores.delete().where((safety_scores.c.text_sha256 == sha)
+                                                   & (safety_scores.c.detector_key == key)))
+            c.execute(safety_scores.insert().values(text_sha256=sha, detector_key=key, scores=json.dumps(scores),
+                                                    created_at=time.time()))
+
     def set_policy(self, conversation_id: str, policy: str | None) -> None:
         """Choose the policy of one conversation (None: back to the configured default)."""
         self._create()
@@ -124,6 +158,13 @@ class MemoryAudit(SafetyAudit):
     def __init__(self) -> None:  # noqa: D107 - no database
         self.rows: list[dict[str, Any]] = []
         self.choices: dict[str, str] = {}
+        self.scores: dict[tuple[str, str], list[tuple[str, float]]] = {}
+
+    def cached_scores(self, text: str, key: str) -> list[tuple[str, float]] | None:
+        return self.scores.get((excerpt_hash(text), key))
+
+    def cache_scores(self, text: str, key: str, scores: list[tuple[str, float]]) -> None:
+        self.scores[(excerpt_hash(text), key)] = list(scores)
 
     def record(self, **row: Any) -> None:  # type: ignore[override]
         row["excerpt_sha256"] = excerpt_hash(row.pop("excerpt"))

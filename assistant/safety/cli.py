@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     train.add_argument("--data", default=str(DEFAULT_TRAIN), help="labelled JSONL (default tests/data/safety_train.jsonl)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", default=None, help="head directory (default assistant/safety/models)")
-    train.add_argument("--featurizer", default="minilm-l6-int8", choices=("minilm-l6-int8", "minilm-l6"))
+    train.add_argument("--featurizer", default="minilm-l6-int8+e5",  # head.DEFAULT_FEATURIZER, head.FEATURIZERS
+                       choices=("minilm-l6-int8+e5", "minilm-l6-int8", "minilm-l6"))
     train.add_argument("--layers", default=None, help="embedder hidden states to pool, comma-separated "
                        "(0 = embeddings, 6 = last; default: head.DEFAULT_LAYERS, 3,4,5,6)")
     train.add_argument("--c", type=float, default=None,
@@ -78,7 +79,7 @@ def _single_thread() -> None:
 
 def _cmd_train(args, config) -> int:
     from assistant.safety.evaluate import load_rows
-    from assistant.safety.head import HEAD_DIR, Featurizer, train_head
+    from assistant.safety.head import HEAD_DIR, Featurizer, train_heads
 
     _single_thread()
     data = Path(args.data)
@@ -91,16 +92,21 @@ def _cmd_train(args, config) -> int:
         except ValueError:
             print(f"Error: --layers {args.layers!r}: give hidden-state numbers such as 2,4,6.", file=sys.stderr)
             return 2
-    head, card = train_head(rows, Featurizer(args.featurizer), seed=args.seed, **options)
-    card["trained_on"] = {"file": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "rows": len(rows)}
-    path = head.save(Path(args.out) if args.out else HEAD_DIR, card=card)
-    saved = json.loads(path.with_suffix(".json").read_text())
-    print(f"trained on {card['num_rows']} rows of {data.name} in {time.perf_counter() - started:.1f} s "
-          f"(classes: {', '.join(head.classes)}; layers {','.join(map(str, head.layers))}, C {card['C']})")
-    for t, m in card["cv5_by_threshold"].items():
-        print(f"  5-fold CV, head alone, threshold {t}: catch {m['catch_rate']:.1%}, false positives "
-              f"{m['false_positive_rate']:.1%}")
-    print(f"saved {path} (version {saved['version']}, sha256 {saved['sha256'][:16]}…)")
+    trained = train_heads(rows, Featurizer(args.featurizer), seed=args.seed, **options)
+    print(f"trained on {trained[0][2]['num_rows']} rows of {data.name} in {time.perf_counter() - started:.1f} s")
+    for name, head, card in trained:
+        card["trained_on"] = {"file": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
+                              "rows": len(rows)}
+        path = head.save(Path(args.out) if args.out else HEAD_DIR, card=card, name=name)
+        saved = json.loads(path.with_suffix(".json").read_text())
+        print(f"{name} ({head.featurizer}; classes: {', '.join(head.classes)}; layers "
+              f"{','.join(map(str, head.layers))}, C {card['C']}): saved {path} (version {saved['version']}, "
+              f"sha256 {saved['sha256'][:16]}…)")
+        for key, what in (("cv5_by_threshold", "all rows"), ("cv5_user_messages_by_threshold", "user messages"),
+                          ("cv5_user_messages_gated_by_threshold", "user messages, fast head on English")):
+            if key in card:
+                print(f"  5-fold CV, {what}: " + "; ".join(
+                    f"{t}: catch {m['catch_rate']:.1%} fp {m['false_positive_rate']:.1%}" for t, m in card[key].items()))
     return 0
 
 

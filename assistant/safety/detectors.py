@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -43,7 +44,8 @@ class Detector(Protocol):
     categories: tuple[str, ...]
 
     def score(self, text: str) -> list[Score]:
-        """Scores of `text` for this detector's categories."""
+        """Scores of `text` for this detector's categories (a detector with `stage_aware = True` also
+        takes `where=`: the stage the text is checked at)."""
         ...
 
 
@@ -143,25 +145,44 @@ class NanoGuard(_Lazy):
 
 
 class HeadDetector(_Lazy):
-    """Our trained head (assistant/safety/head.py) over the sentence embedder."""
+    """Our trained heads (assistant/safety/head.py): the fast MiniLM-only head reads user messages that
+    look English; the full head (MiniLM + multilingual-e5-small) reads everything else, and every
+    retrieved passage and tool result (screened once, at ingest or when the tool returns, so its
+    ~20-40 ms are not on a user's message). Without a fast head file, the full head reads all."""
 
     name = "head"
     categories = INPUT_CATEGORIES
+    stage_aware = True  # the guard passes `where`
 
     def __init__(self, path: Any = None, featurizer: Any = None) -> None:
         super().__init__()
         self.path, self._featurizer = path, featurizer
 
     def load(self) -> Any:
-        from assistant.safety.head import SafetyHead, load_featurizer
+        from assistant.safety.head import FAST_HEAD_NAME, HEAD_DIR, SafetyHead, load_featurizer
 
         head = SafetyHead.load(self.path)
+        fast = None
+        if (Path(self.path or HEAD_DIR) / f"{FAST_HEAD_NAME}.json").is_file():
+            fast = SafetyHead.load(self.path, FAST_HEAD_NAME)
         featurizer = self._featurizer or load_featurizer(head.featurizer)
-        return head, featurizer
+        return head, fast, featurizer
 
-    def score(self, text: str) -> list[Score]:
-        head, featurizer = self.model()
-        probs = head.probabilities(featurizer.embed([text], head.layers))[0]  # (C,)
+    def cache_key(self, where: str) -> str:
+        """The score cache's key for a passage or tool result: the full head, by its file's hash."""
+        head, _, _ = self.model()
+        return f"head:full:{(head.card or {}).get('sha256', '')}"
+
+    def score(self, text: str, where: str = "input") -> list[Score]:
+        from assistant.safety.head import looks_english
+
+        head, fast, featurizer = self.model()
+        if fast is not None and where == "input" and looks_english(text):
+            head, features = fast, featurizer.embed([text], fast.layers, e5=False)  # (1, D)
+        else:
+            features = featurizer.embed_windows(text, head.layers)  # (W, D): a long text's start and end
+        probs = head.probabilities(features)  # (W, C)
+        probs = probs[int(np.argmin(probs[:, head.classes.index("benign")]))]  # the most harmful window
         return [Score(c, float(p), self.name) for c, p in zip(head.classes, probs) if c != "benign"]
 
 

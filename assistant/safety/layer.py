@@ -49,6 +49,11 @@ class SafetyLayer:
         return cls(detectors if detectors is not None else real_detectors(s.head_dir or None), audit,
                    policy=s.policy, policies_dir=s.policies_dir or None, protected=[config.system_prompt])
 
+    def screen(self, texts: Sequence[str], where: str = "retrieved") -> int:
+        """Score passages ahead of use (a document's chunks at ingest): their scores go to the score
+        cache, so no query pays for them; returns how many the default policy would quarantine."""
+        return sum(self.guard.hit(text, where=where) is not None for text in texts if text.strip())
+
     def protect(self, texts: Sequence[str]) -> None:
         """Treat these fixed texts like the system prompt: an answer repeating them is redacted."""
         self.leaks.add(texts)

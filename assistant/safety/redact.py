@@ -12,9 +12,10 @@ Documentation placeholders in a secret's place pass too (`placeholder()`): a val
 capitalised word (`USER:PASSWORD@`, `YOUR_API_KEY`), or has too few distinct characters to be random
 (`sk-aaaaaaaaaaaaaaaaaaaa`). AWS's documented sample pair (`AKIAIOSFODNN7EXAMPLE`) is such a value.
 A real key has none of these marks, so recall on real-looking keys is unchanged. So do a value that is
-the code reading the secret (`os.environ["KEY"]`), the payment processors' published test card
-numbers (`TEST_CARDS`) and telephone numbers reserved for fiction (`FICTIONAL_PHONE`: 555, Ofcom's
-drama ranges).
+the code reading the secret (`os.environ["KEY"]`) and telephone numbers reserved for fiction
+(`FICTIONAL_PHONE`: 555, Ofcom's drama ranges). Card numbers are redacted whenever they pass Luhn,
+the processors' published test numbers included (no context tells a test number in an answer from a
+card someone is about to charge).
 
 The system prompt is protected two ways: verbatim runs of >= NGRAM of its words (`LeakMatcher`, which
 needs the prompt), and an answer that announces it is quoting its own instructions ("my instructions
@@ -65,12 +66,6 @@ SELF_QUOTE_OPEN = re.compile(r"(?i)\b(?:my\s+(?:(?:system|initial|hidden|origina
 SELF_QUOTE = re.compile(SELF_QUOTE_OPEN.pattern + r"(?P<v>[^\"”]{40,})(?:[\"”]|\Z)")
 PLACEHOLDER_WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "apikey", "api_key", "key",
                                "user", "username", "mypassword", "yourpassword", "pa55word", "letmein"})
-# card numbers the payment processors publish for testing (Stripe, Braintree, Adyen docs): not a person's card
-TEST_CARDS = frozenset({"4242424242424242", "4000056655665556", "5555555555554444", "2223003122003222",
-                        "5200828282828210", "5105105105105100", "378282246310005", "371449635398431",
-                        "6011111111111117", "6011000990139424", "3056930009020004", "36227206271667",
-                        "3566002020360505", "6200000000000005", "4111111111111111", "4012888888881881",
-                        "4000000000000002", "4000000000009995", "4000002500003155", "4000000000000077"})
 # telephone numbers set aside for fiction and documentation: NANP 555 exchange, Ofcom's drama ranges
 FICTIONAL_PHONE = re.compile(r"^(?:1?\d{3}555\d{4}|(?:44|0)(?:2079460|1134960|1144960|1154960|1164960|1174960"
                              r"|1184960|1214960|1314960|1414960|1514960|1614960|1632960|7700900|8081570|9098790"
@@ -110,8 +105,7 @@ def luhn_ok(digits: str) -> bool:
 
 
 def _card_like(digits: str) -> bool:
-    """Shaped like a real card: a network's prefix, 13-19 digits, Luhn (a processor's test number counts
-    here, so it is not read as a phone number either; `find` lets it pass)."""
+    """Shaped like a real card: a network's prefix, 13-19 digits, Luhn."""
     return 13 <= len(digits) <= 19 and re.match(r"4|5[1-5]|2[2-7]|3[47]|6(?:011|5)|3(?:0[0-5]|[68])", digits) is not None \
         and luhn_ok(digits)
 
@@ -175,7 +169,7 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
             found.append(Finding(m.start(group), m.end(group), "secret", kind))
     for m in CARD.finditer(text):
         digits = re.sub(r"\D", "", m.group())
-        if _card_like(digits) and digits not in TEST_CARDS:
+        if _card_like(digits):  # a processor's published test number too: redacting it costs little
             found.append(Finding(m.start(), m.end(), "pii", "card number"))
     for m in EMAIL.finditer(text):
         before = text[:m.start()]
