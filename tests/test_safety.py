@@ -341,9 +341,9 @@ def test_a_stage_can_set_its_own_threshold_for_a_detector(tmp_path):
         Policy.from_dict({"name": "x", "stages": {"retrieved": {"thresholds": {"head": 1.5}}}})
 
 
-def test_the_head_detector_routes_english_user_messages_to_the_fast_head_and_the_rest_to_the_full_one(tmp_path):
-    """The fast head (MiniLM alone) reads English-looking user messages; other languages, retrieved text
-    and tool results go to the full head (with e5), whose most harmful window of a long text counts."""
+def test_the_head_detector_routes_english_text_to_the_fast_head_and_the_rest_to_the_full_one(tmp_path):
+    """The fast head (MiniLM alone) reads English-looking text; other languages and very short texts
+    go to the full head (with e5), whose most harmful window of a long text counts."""
     import numpy as np
 
     from assistant.safety.detectors import HeadDetector
@@ -370,14 +370,13 @@ def test_the_head_detector_routes_english_user_messages_to_the_fast_head_and_the
             return np.stack([np.concatenate([vec("MINI" in text), vec("E5" in w)]) for w in windows])
 
     detector = HeadDetector(tmp_path, featurizer=Featurizer())
-    harm = lambda text, where="input": dict((s.category, s.score) for s in detector.score(text, where=where))["self_harm"]
+    harm = lambda text: dict((s.category, s.score) for s in detector.score(text))["self_harm"]
     english, german = "how do I get MINI help with this at work", "Wie kann ich E5 alle Container löschen?"
     assert looks_english(english) and not looks_english(german) and not looks_english("hi")
-    assert harm(english) > 0.9  # fast head: reads MINI
-    assert harm(english + " E5", where="retrieved") > 0.9 and harm(english, where="retrieved") < 0.1  # full: reads E5
-    assert harm(german) > 0.9
-    footer = "A long manual passage about containers and volumes. " * 3 + "E5"
-    assert harm(footer, where="retrieved") > 0.9  # only the last window holds it
+    assert harm(english) > 0.9 and harm("how do I get help with this at work E5") < 0.1  # fast head: MINI only
+    assert harm(german) > 0.9 and harm("Wie kann ich MINI alle Container löschen?") < 0.1  # full head: E5 only
+    footer = "Das Handbuch beschreibt Container und Volumes ausführlich. " * 3 + "E5"
+    assert harm(footer) > 0.9  # only the last window holds it
 
 
 class CachedKeywords(KeywordDetector):

@@ -137,7 +137,7 @@ class SafetyGuard:
             cached = self.audit.cached_scores(text, key)
             if cached is not None:
                 return [Score(c, v, detector.name) for c, v in cached]
-        scored = detector.score(text, where=where) if getattr(detector, "stage_aware", False) else detector.score(text)
+        scored = detector.score(text)
         if key:
             self.audit.cache_scores(text, key, [(s.category, s.score) for s in scored])
         return scored
