@@ -134,3 +134,18 @@ def test_without_safety_raw_requests_go_straight_to_the_engine(tmp_path):
     r = TestClient(app).post(CHAT, json={"messages": [{"role": "user", "content": "how do I COOK-METH"}]})
     assert r.json()["choices"][0]["message"]["content"] == "fine" and len(engine.prompts) == 1
     assert isinstance(engine, ScriptedEngine)
+
+
+def test_a_web_chat_conversation_started_by_a_key_takes_its_tiers_policy(tmp_path):
+    from ui.gradio_app import LOCAL_USER, WebChat
+
+    tiers = {"research": {"safety_policy": "permissive-research"}, "free": {}}
+    assistant, _, _ = make_app(tmp_path, tiers=tiers, settings=SAFETY_ON)
+    lab, _ = assistant.keys.create("lab", "research")
+    public, _ = assistant.keys.create("public", "free")
+    web = WebChat(assistant)
+    assert (web.tier_policy(lab.id), web.tier_policy(public.id), web.tier_policy(LOCAL_USER)) == \
+        ("permissive-research", None, None)
+    mine, theirs = web.start("Red team", lab.id), web.start("Homework", public.id)
+    assert assistant.safety.policy_of(mine) == "permissive-research"
+    assert assistant.safety.policy_of(theirs) == "default"

@@ -133,9 +133,23 @@ class WebChat:
             raise AssistantError(f"No conversation with id {conversation_id!r}.")
 
     def claim(self, conversation_id: str, key_id: str) -> None:
+        """Record the caller's key as the owner of a new conversation, which takes the key's tier's
+        safety policy (as a conversation started over REST or /v1 does)."""
         owners = getattr(self.assistant, "owners", None)
         if owners is not None and key_id and self.owner_of(conversation_id) is None:
             owners.claim("conversation", conversation_id, key_id)
+            policy = self.tier_policy(key_id)
+            if policy:
+                self.assistant.safety.set_policy(conversation_id, policy)
+
+    def tier_policy(self, key_id: str) -> str | None:
+        """The safety policy the key's tier names (None: the server's, or safety is off)."""
+        keys = getattr(self.assistant, "keys", None)
+        if getattr(self.assistant, "safety", None) is None or keys is None or not key_id or key_id == LOCAL_USER:
+            return None
+        record = next((k for k in keys.list() if k.id == key_id), None)
+        tier = self.assistant.config.server.tiers.get(record.tier) if record is not None else None
+        return (tier.safety_policy or None) if tier is not None else None
 
     def conversations(self, key_id: str, query: str = "") -> list[Any]:
         return visible_conversations(self.assistant.conversations.list(), self.owner_of, key_id, query)
@@ -451,6 +465,8 @@ def build_app(assistant: Any) -> Any:
                     view.feed(Done(cid or "", "", "", "error"))
                     yield None, *turn_outputs(view, history, cid)
                     return
+            if cid is None and web.tier_policy(key_id):  # the first question is already checked under it
+                cid = web.start(text or "Voice question", key_id)
             user_input = UserInput(text, audio=audio, images=images, speak=bool(voice),
                                    model=assistant.models.role(choice))
             events = assistant.turn(cid, user_input, params=web.params(temp, tokens), cancel=cancel,
@@ -462,6 +478,8 @@ def build_app(assistant: Any) -> Any:
             key_id = key_id_of(request)
             if cid:
                 web.check(cid, key_id)
+            if cid is None and web.tier_policy(key_id):
+                cid = web.start(message or "Question", key_id)
             cancel = web.begin(request.session_hash or "")
             view = TurnView(question=message)
             events = assistant.turn(cid, (message or "").strip(), cancel=cancel, scope=web.scope(key_id, cid))
