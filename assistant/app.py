@@ -103,18 +103,13 @@ class Documents:
 
     def ingest(self, paths: Iterable[str | Path], on_progress: Callable[[str, int], None] | None = None) -> Iterator[Any]:
         """Ingest files; yields one ingest.pipeline.FileResult per file (failed ones say why)."""
-        from ingest.pipeline import expand_paths
+        from ingest.pipeline import expand_paths, screen_result
 
         retriever = self._retriever()
         ingester = retriever.ingester(describe_image=self._describe_image)
         try:
             for result in ingester.ingest(expand_paths(paths), on_progress):
-                if self._screen is not None and result.status in ("added", "updated") and result.doc_id:
-                    texts = retriever.chunk_texts(result.doc_id)
-                    flagged = self._screen(texts)
-                    if flagged:
-                        result.warnings.append(f"{flagged} of {len(texts)} passages look like instructions to the "
-                                               "model; they will reach it fenced as untrusted data.")
+                screen_result(retriever.index, result, self._screen)
                 yield result
         finally:
             self._handle.refresh()

@@ -74,7 +74,7 @@ def cmd_ingest(args, config, *, screen=None) -> int:
     (the CLI entry passes it; this package never imports the core's safety)."""
     from tqdm import tqdm
 
-    from ingest.pipeline import Ingester, chunk_texts, expand_paths
+    from ingest.pipeline import Ingester, expand_paths, screen_result
 
     paths = expand_paths(args.paths, recursive=args.recursive)
     if not paths:
@@ -109,13 +109,9 @@ def cmd_ingest(args, config, *, screen=None) -> int:
             bar.set_description(f"Ingesting {path.name[:30]}")
             advanced = 0
             result = ingester.ingest_file(path, on_progress)
-            if screen is not None and result.status in ("added", "updated") and result.doc_id:
+            if screen is not None and result.status in ("added", "updated"):
                 bar.set_description(f"Screening {path.name[:30]}")
-                texts = chunk_texts(ingester.index, result.doc_id)
-                flagged = screen(texts)
-                if flagged:
-                    result.warnings.append(f"{flagged} of {len(texts)} passages look like instructions to the "
-                                           "model; they will reach it fenced as untrusted data.")
+                screen_result(ingester.index, result, screen)
             counts[result.status] += 1
             if result.status == "failed":
                 bar.write(f"Skipping {path}: {result.error}", file=sys.stderr)

@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ingest.chunk import Chunk, Chunker
 from ingest.embed import Bm25Encoder, Embedder
@@ -57,6 +57,18 @@ def chunk_texts(index: Any, doc_id: str) -> list[str]:
     """The visible chunks' texts of one document, in order (what a search hit's passage holds)."""
     chunks = index.scroll({"kind": "chunk", "visible": 1, "doc_id": doc_id})
     return [c["text"] for c in sorted(chunks, key=lambda c: c["chunk_index"])]
+
+
+def screen_result(index: Any, result: "FileResult", screen: Callable[[list[str]], int] | None) -> None:
+    """Run `screen` (the safety layer's ingest-time screening, passed in by the caller: this package never
+    imports it) over a newly written document's chunks; the result warns when some look like instructions."""
+    if screen is None or result.status not in ("added", "updated") or not result.doc_id:
+        return
+    texts = chunk_texts(index, result.doc_id)
+    flagged = screen(texts)
+    if flagged:
+        result.warnings.append(f"{flagged} of {len(texts)} passages look like instructions to the model; "
+                               "they will reach it fenced as untrusted data.")
 
 
 def doc_id_for(path: Path) -> str:

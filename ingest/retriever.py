@@ -26,7 +26,7 @@ from typing import Any
 
 from ingest.embed import Bm25Encoder, Embedder
 from ingest.index_base import VectorIndex
-from ingest.pipeline import chunk_texts, find_document, list_documents
+from ingest.pipeline import find_document, list_documents
 
 FILTER_FIELDS = ("doc_id", "path", "file_name", "page")
 # a token with a letter and a digit (XK-4471Q, E1234, v2.3.1, sha256) or a snake_case name
@@ -167,9 +167,6 @@ class Retriever:
             if left <= 0:
                 break
         return out
-
-    def chunk_texts(self, doc_id: str) -> list[str]:
-        return chunk_texts(self.index, doc_id)
 
     def ingester(self, *, chunk_tokens: int = 200, overlap_tokens: int = 30, describe_image=None):
         """An `Ingester` writing into this retriever's collection: a process that serves searches

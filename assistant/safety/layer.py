@@ -52,7 +52,8 @@ class SafetyLayer:
     def screen(self, texts: Sequence[str], where: str = "retrieved") -> int:
         """Score passages ahead of use (a document's chunks at ingest): their scores go to the score
         cache, so no query pays for them; returns how many the default policy would quarantine."""
-        return sum(self.guard.hit(text, where=where) is not None for text in texts if text.strip())
+        hits = [self.guard.hit(text, where=where) for text in texts if text.strip()]
+        return sum(hit is not None and hit.action == "block" for hit in hits)
 
     def protect(self, texts: Sequence[str]) -> None:
         """Treat these fixed texts like the system prompt: an answer repeating them is redacted."""
