@@ -12,6 +12,7 @@ a sibling (a new branch) and moves the head; the old branch stays in the table, 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -96,6 +97,16 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
+def _one_user_at_a_time(db: SqlEngine) -> None:
+    """An in-memory SQLite store is one DBAPI connection shared by every thread (StaticPool), so one
+    thread ending its read (a rollback on that connection) could undo another thread's transaction half
+    way: a message insert rolled back, the head update that followed it kept. Hold the connection for
+    one thread at a time, from checkout to checkin (re-entrant: a thread may nest)."""
+    lock = threading.RLock()
+    event.listen(db.pool, "checkout", lambda *_: lock.acquire())
+    event.listen(db.pool, "checkin", lambda *_: lock.release())
+
+
 class Store:
     def __init__(self, url: str) -> None:
         self.url = url
@@ -107,6 +118,8 @@ class Store:
                 self.db: SqlEngine = create_engine(url, connect_args={"check_same_thread": False},
                                                    poolclass=StaticPool if in_memory else None)
                 event.listen(self.db, "connect", _sqlite_pragmas)
+                if in_memory:
+                    _one_user_at_a_time(self.db)
             else:
                 self.db = create_engine(url, pool_pre_ping=True)
             metadata.create_all(self.db)

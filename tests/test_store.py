@@ -65,3 +65,31 @@ def test_a_sqlite_store_in_a_new_data_dir_makes_its_folder(tmp_path):
     store = Store(f"sqlite:///{path}")
     store.create_conversation("hello")
     assert path.is_file() and [c.title for c in store.list_conversations()] == ["hello"]
+
+
+def test_an_in_memory_store_keeps_one_threads_transaction_whole_while_another_reads():
+    """Seen in CI: an in-memory store is one shared SQLite connection; a reader ending its read rolled
+    back a writer's transaction half way (the message insert undone, the head update kept)."""
+    import threading
+    import time as clock
+
+    from sqlalchemy import text
+
+    store = Store("sqlite://")
+    cid = store.create_conversation(title="race").id
+    inserted, done = threading.Event(), threading.Event()
+
+    def writer():
+        with store.db.begin() as c:
+            c.execute(text("UPDATE conversations SET title = 'written' WHERE id = :id"), {"id": cid})
+            inserted.set()
+            clock.sleep(0.3)  # the reader runs now, unless it must wait for this transaction
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    inserted.wait(5)
+    with store.db.connect() as c:  # a read that ends (and rolls back) while the writer is mid-transaction
+        c.execute(text("SELECT 1")).all()
+    thread.join(5)
+    assert done.is_set() and store.get_conversation(cid).title == "written"
