@@ -97,14 +97,40 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
-def _one_user_at_a_time(db: SqlEngine) -> None:
+class OneAtATimePool(StaticPool):
     """An in-memory SQLite store is one DBAPI connection shared by every thread (StaticPool), so one
     thread ending its read (a rollback on that connection) could undo another thread's transaction half
-    way: a message insert rolled back, the head update that followed it kept. Hold the connection for
-    one thread at a time, from checkout to checkin (re-entrant: a thread may nest)."""
-    lock = threading.RLock()
-    event.listen(db.pool, "checkout", lambda *_: lock.acquire())
-    event.listen(db.pool, "checkin", lambda *_: lock.release())
+    way: a message insert rolled back, the head update that followed it kept. This pool lends the
+    connection to one thread at a time, from checkout to checkin.
+
+    The turn is taken in `_do_get`, before SQLAlchemy wraps the shared record for the caller, and given
+    back in `_do_return_conn`. (Taking it in the pool's checkout event was too late: a waiting thread
+    had already re-pointed the shared record at its own wrapper, so the holder's checkin made the
+    waiter's later checkin look like a double checkin, which SQLAlchemy skips, and the turn was never
+    given back: every later request hung.) A plain Lock, not an RLock: a connection returned by the
+    garbage collector is checked in from whichever thread runs it."""
+
+    WAIT_S = 120.0  # far longer than any store call; past it a bug of ours, not a hang
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._turn = threading.Lock()
+
+    def _do_get(self) -> Any:
+        if not self._turn.acquire(timeout=self.WAIT_S):
+            raise StoreError(f"The in-memory store's connection was not given back within {self.WAIT_S:.0f} s "
+                             "(a connection left open across threads).")
+        try:
+            return super()._do_get()
+        except BaseException:
+            self._turn.release()
+            raise
+
+    def _do_return_conn(self, record: Any) -> None:
+        try:
+            super()._do_return_conn(record)
+        finally:
+            self._turn.release()
 
 
 class Store:
@@ -116,10 +142,8 @@ class Store:
                 if not in_memory and url.startswith("sqlite:///"):  # a new data dir: make its folder
                     Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
                 self.db: SqlEngine = create_engine(url, connect_args={"check_same_thread": False},
-                                                   poolclass=StaticPool if in_memory else None)
+                                                   poolclass=OneAtATimePool if in_memory else None)
                 event.listen(self.db, "connect", _sqlite_pragmas)
-                if in_memory:
-                    _one_user_at_a_time(self.db)
             else:
                 self.db = create_engine(url, pool_pre_ping=True)
             metadata.create_all(self.db)

@@ -149,11 +149,16 @@ def test_two_servers_on_one_redis_share_a_keys_limit(tmp_path, redis_url):
     settings = dict(redis_url=redis_url, api_keys="shared-key", tiers={"free": {"rpm": 3}})
     _, _, app_a = make_app(tmp_path / "a", *["ok"] * 4, **settings)
     _, _, app_b = make_app(tmp_path / "b", *["ok"] * 4, **settings)
-    a, b = TestClient(app_a), TestClient(app_b)
     body = {"messages": [USER], "max_tokens": 4}
-    statuses = [client.post("/v1/chat/completions", json=body, headers=bearer("shared-key")).status_code
-                for client in (a, b, a, b)]
+    with TestClient(app_a) as a, TestClient(app_b) as b:  # their shutdown stops the turn registries' listeners
+        statuses = [client.post("/v1/chat/completions", json=body, headers=bearer("shared-key")).status_code
+                    for client in (a, b, a, b)]
+        listeners = [app.state.turns.running._thread for app in (app_a, app_b)]
+        assert all(t.is_alive() for t in listeners)
     assert statuses == [200, 200, 200, 429]
+    for t in listeners:
+        t.join(5)
+    assert not any(t.is_alive() for t in listeners), "a stopped server left its Redis listener running"
     app_a.state.gateway.close()
     app_b.state.gateway.close()
 

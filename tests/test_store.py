@@ -93,3 +93,37 @@ def test_an_in_memory_store_keeps_one_threads_transaction_whole_while_another_re
         c.execute(text("SELECT 1")).all()
     thread.join(5)
     assert done.is_set() and store.get_conversation(cid).title == "written"
+
+
+def test_an_in_memory_store_serves_another_thread_after_two_threads_took_turns():
+    """Seen in CI as a 300 s hang: while one thread held the in-memory store's connection, a second one
+    waiting for it had already re-pointed the shared pool record at itself, so its own checkin was
+    skipped as a 'double checkin' and the connection was never given back to any third thread."""
+    import threading
+
+    from sqlalchemy import text
+
+    store = Store("sqlite://")
+    cid = store.create_conversation(title="turns").id
+    holding, waiting = threading.Event(), threading.Event()
+
+    def holder():
+        with store.db.connect() as c:
+            c.execute(text("SELECT 1")).all()
+            holding.set()
+            waiting.wait(5)
+
+    first = threading.Thread(target=holder)
+    first.start()
+    holding.wait(5)
+    second = threading.Thread(target=lambda: store.get_conversation(cid))
+    second.start()
+    second.join(0.3)  # it waits for the holder
+    waiting.set()
+    first.join(5)
+    second.join(5)
+    seen: list[str] = []
+    third = threading.Thread(target=lambda: seen.append(store.get_conversation(cid).title))
+    third.start()
+    third.join(10)
+    assert seen == ["turns"], "a third thread could not get the store's connection"

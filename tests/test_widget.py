@@ -377,7 +377,7 @@ def test_a_remote_chat_shows_the_plot_the_server_made(tmp_path):
     assistant, _ = make_assistant(server_dir, call, "Here is the plot.", "No plot here.", tools=[tool])
     with serve_in_thread(create_app(assistant, web_chat=False)) as base:
         chat = Chat(url=base, show=False)
-        assert chat.ask("Plot something red.") == "Here is the plot."
+        assert chat.ask("Plot something red.") == "Here is the plot.", (chat.last.errors, chat.last.finish_reason)
         (path,) = chat.last.artifacts
         assert server_dir not in path.parents and path.name.endswith("plot.png")
         (image,) = chat.last.images()

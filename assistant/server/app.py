@@ -17,8 +17,9 @@ app's `Assistant` (assistant/app.py) and closes it on the way out.
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 from assistant.config import AssistantConfig
 
@@ -36,7 +37,7 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
     from assistant.server.turns import TurnRunner, create_turn_routes
 
     gateway = gateway or Gateway.from_assistant(assistant)
-    app = FastAPI(title=TITLE)
+    app = FastAPI(title=TITLE, lifespan=_release_turns)
     app.state.gateway = gateway
     app.add_middleware(GatewayMiddleware, max_body_bytes=gateway.max_body_bytes,
                        max_upload_bytes=gateway.max_upload_bytes, metrics=gateway.metrics)
@@ -64,6 +65,15 @@ def create_app(assistant: Any, *, web_chat: bool = True, gateway: Any = None) ->
     from ui.gradio_app import mount_web_chat
 
     return mount_web_chat(app, assistant, gateway)  # with keys configured, a login screen first
+
+
+@asynccontextmanager
+async def _release_turns(app: Any) -> AsyncIterator[None]:
+    """When the server stops: stop the turn registry's Redis listener (redis_turns.py), so an app
+    that is stopped leaves no thread behind retrying a Redis that may be gone too."""
+    yield
+    if (turns := getattr(app.state, "turns", None)) is not None:
+        turns.running.close()
 
 
 def serve(config: AssistantConfig, *, assistant: Any = None) -> None:

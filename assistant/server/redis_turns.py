@@ -68,7 +68,9 @@ class RedisRunningTurns(RunningTurns):
         return bool(self._try(self.client.publish, CHANNEL, message_id))
 
     def close(self) -> None:
-        self._thread.stop()
+        """Stop listening (again: a no-op)."""
+        if self._thread.is_alive():
+            self._thread.stop()
         self._pubsub.close()
 
     def _on_cancel(self, message: dict) -> None:
