@@ -88,7 +88,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=30)
     args = parser.parse_args()
     rows = [json.loads(line) for name in ("safety_train.jsonl", "safety_heldout.jsonl", "safety_heldout_v2.jsonl",
-                                          "safety_heldout_v3.jsonl", "safety_heldout_v4.jsonl")
+                                          "safety_heldout_v3.jsonl", "safety_heldout_v4.jsonl", "safety_heldout_v5.jsonl",
+                                          "safety_heldout_short.jsonl")
             for line in (ROOT / "tests" / "data" / name).open() if line.strip()]
     rows = [r for r in rows if r.get("where", "input") == "input"]
     result = {"input_check": input_latency(rows, args.repeats)}

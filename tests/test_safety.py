@@ -329,6 +329,23 @@ def test_a_quote_of_the_instructions_split_over_sentences_and_deltas_is_redacted
     assert out == 'Of course. My rules say: "[redacted: system prompt]" Anything else?'
 
 
+def test_a_dump_of_the_instructions_or_a_quote_in_another_language_is_redacted():
+    """'here is my full system prompt:' and what follows, unquoted; a quote announced in Spanish in « »."""
+    dump = ("Sure, here is my full system prompt:\n\n[SYSTEM] You are the internal HR assistant of Acme. "
+            "Never reveal salaries.")
+    (finding,) = find(dump, LeakMatcher([]))
+    assert finding.category == "system_prompt_leak" and dump[finding.start:finding.end].startswith("[SYSTEM] You are")
+    quote = "Mis instrucciones de sistema dicen textualmente: «Eres Lía, la asistente de la tienda; nunca reveles descuentos.»"
+    (finding,) = find(quote, LeakMatcher([]))
+    assert quote[finding.start:finding.end] == "Eres Lía, la asistente de la tienda; nunca reveles descuentos."
+    for benign in ("Here is my recipe: mix flour and water, knead for ten minutes and bake for forty minutes.",
+                   'The rules state: "Employees must badge in at the main entrance before 9 am every day."'):
+        assert find(benign, LeakMatcher([])) == [], benign
+    guard, _ = output_guard()  # streamed: the announcement holds the rest back, whatever the deltas
+    out = shown(stream(guard, dump))
+    assert out == "Sure, here is my full system prompt:\n\n[redacted: system prompt]"
+
+
 def test_a_stage_can_set_its_own_threshold_for_a_detector(tmp_path):
     (tmp_path / "docs.toml").write_text(
         'name = "docs"\n[stages.input]\ndetectors = ["head"]\ncategories = ["prompt_injection"]\n'

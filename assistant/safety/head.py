@@ -45,7 +45,7 @@ import hashlib
 import json
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -104,6 +104,7 @@ class Featurizer:
         """Mean-pooled hidden states of `layers` (0 = embeddings, 6 = last), each L2-normalised, side by side."""
         if not layers or any(not 0 <= k <= NUM_LAYERS for k in layers):
             raise ModelError(f"Layers {tuple(layers)} are not hidden states of this embedder (0-{NUM_LAYERS}).")
+        e5_part = self._e5_start([t[:E5_MAX_CHARS] for t in texts]) if self.e5 is not None and e5 else None
         torch = self._torch
         enc = self.tokenizer(list(texts), return_tensors="pt", truncation=True, max_length=MAX_TOKENS, padding=True)
         with self._lock, torch.inference_mode():
@@ -113,8 +114,8 @@ class Featurizer:
         for k in layers:
             pooled = ((states[k] * mask).sum(1) / mask.sum(1).clamp(min=1)).numpy()  # (N, 384)
             parts.append(pooled / np.linalg.norm(pooled, axis=1, keepdims=True))
-        if self.e5 is not None and e5:
-            parts.append(self._e5([t[:E5_MAX_CHARS] for t in texts]))  # (N, 384), unit vectors
+        if e5_part is not None:
+            parts.append(e5_part.result())  # (N, 384), unit vectors
         return np.concatenate(parts, axis=1).astype(np.float32)  # (N, 384 * len(layers) [+ 384])
 
     def embed_windows(self, text: str, layers: Sequence[int]) -> np.ndarray:
@@ -122,15 +123,18 @@ class Featurizer:
         word pieces), e5's of its first and, for a text past E5_MAX_CHARS, its last E5_MAX_CHARS
         characters (an instruction hidden in a passage's footer); the caller keeps the window that
         scores most harmful."""
-        base = self.embed([text], layers, e5=False)  # (1, 384 * len(layers))
         if self.e5 is None:
-            return base
+            return self.embed([text], layers, e5=False)
         windows = [text[:E5_MAX_CHARS]] + ([text[-E5_MAX_CHARS:]] if len(text) > E5_MAX_CHARS else [])
-        tails = self._e5(windows)  # (W, 384)
+        e5_part = self._e5_start(windows)  # e5 reads while MiniLM does: the latency is the slower one's
+        base = self.embed([text], layers, e5=False)  # (1, 384 * len(layers))
+        tails = e5_part.result()  # (W, 384)
         return np.concatenate([np.repeat(base, len(windows), axis=0), tails], axis=1).astype(np.float32)
 
-    def _e5(self, texts: Sequence[str]) -> np.ndarray:
-        return self._e5_thread.submit(lambda: np.stack([self.e5.query(t) for t in texts])).result()
+    def _e5_start(self, texts: Sequence[str]) -> Future:
+        """e5's vectors of `texts`, (N, 384), computed on e5's own thread, so MiniLM runs meanwhile."""
+        texts = list(texts)
+        return self._e5_thread.submit(lambda: np.stack([self.e5.query(t) for t in texts]))
 
     @property
     def base_name(self) -> str:

@@ -27,7 +27,9 @@ from assistant.events import SafetyVerdict, TextDelta, TurnEvent
 from assistant.safety.audit import SafetyAudit
 from assistant.safety.categories import label
 from assistant.safety.policy import Policy
-from assistant.safety.redact import SELF_QUOTE_OPEN, Finding, LeakMatcher, find, redact
+from assistant.safety.redact import QUOTES_CLOSE, SELF_DUMP_OPEN, SELF_QUOTE_OPEN, Finding, LeakMatcher, find, redact
+
+QUOTE_CLOSE = re.compile(f"[{QUOTES_CLOSE}]")
 from assistant.seams import StreamTransformer
 
 BOUNDARY = re.compile(r"[.!?](?=\s)|\n")
@@ -85,12 +87,17 @@ class OutputGuard(StreamTransformer):
             opened = m
         if opened is not None and not PEM_CLOSE.search(text, opened.end()):
             return self._last_boundary(text[:opened.start()])  # hold the key block until its END line
+        cut = self._last_boundary(text)
+        dumping = None
+        for m in SELF_DUMP_OPEN.finditer(text):
+            dumping = m
+        if dumping is not None and len(text) - dumping.end() <= self.max_quote_chars:
+            return self._last_boundary(text[:dumping.start()])  # "here is my system prompt:": hold what follows
         quoting = None
         for m in SELF_QUOTE_OPEN.finditer(text):
             quoting = m
-        cut = self._last_boundary(text)
         if quoting is not None and len(text) - quoting.end() <= self.max_quote_chars:
-            closed = re.compile(r"[\"”]").search(text, quoting.end())  # "my instructions say: \"...": never cut inside
+            closed = QUOTE_CLOSE.search(text, quoting.end())  # "my instructions say: \"...": never cut inside
             if closed is None or quoting.start() < cut < closed.end():
                 return self._last_boundary(text[:quoting.start()])
         if cut == 0 and len(text) > self.max_hold_chars:

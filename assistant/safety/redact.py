@@ -19,8 +19,10 @@ card someone is about to charge).
 
 The system prompt is protected two ways: verbatim runs of >= NGRAM of its words (`LeakMatcher`, which
 needs the prompt), and an answer that announces it is quoting its own instructions ("my instructions
-say: \"...\"", `SELF_QUOTE`), whose quoted words are redacted even when the guard was not told the
-prompt (a client's own system message on the API, a prompt changed since start-up).
+say: \"...\"", `SELF_QUOTE`, in six languages and with « » „ “ quotes), whose quoted words are redacted
+even when the guard was not told the prompt (a client's own system message on the API, a prompt
+changed since start-up), and one that announces a dump of them ("here is my full system prompt:",
+`SELF_DUMP`), whose remainder is redacted.
 """
 
 from __future__ import annotations
@@ -57,13 +59,27 @@ DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:
                          re.IGNORECASE)
 PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|changeme|redacted|your[_-]|<[^>]*>|\$\{\w+\}|^\$\w+$"
                          r"|x{4,}|\*{3,}|\.{3}|…|\b(?:foo|bar|abc|1234)\b")
-SELF_QUOTE_OPEN = re.compile(r"(?i)\b(?:my\s+(?:(?:system|initial|hidden|original|internal)\s+)?"
-                             r"(?:prompt|instructions?|system message|directives?|rules|guidelines)"
-                             r"|the\s+(?:system|hidden|initial)\s+(?:prompt|message|instructions?))\s*"
-                             r"(?:(?:is|are|says?|reads?|states?|goes|went|were|was)\b[^\"“:\n]{0,20})?:?\s*[\"“]")
+_MY_INSTRUCTIONS = (  # first person, or "the system prompt"; English, Spanish, French, German, Italian, Portuguese
+    r"my\s+(?:(?:full|complete|entire|exact|system|initial|hidden|original|internal)\s+){0,2}"
+    r"(?:prompt|instructions?|system message|directives?|rules|guidelines|configuration)"
+    r"|the\s+(?:system|hidden|initial)\s+(?:prompt|message|instructions?)"
+    r"|mis\s+instrucciones(?:\s+de\s+sistema)?|mi\s+prompt(?:\s+de\s+sistema)?|mis\s+reglas"
+    r"|mes\s+(?:instructions|consignes)(?:\s+syst[eè]me)?|mon\s+prompt(?:\s+syst[eè]me)?"
+    r"|meine\s+(?:System)?(?:anweisungen|regeln)|mein\s+(?:System)?prompt"
+    r"|le\s+mie\s+istruzioni(?:\s+di\s+sistema)?|il\s+mio\s+prompt(?:\s+di\s+sistema)?"
+    r"|minhas\s+instru[cç][oõ]es(?:\s+de\s+sistema)?|meu\s+prompt(?:\s+de\s+sistema)?")
+_SAYS = (r"is|are|says?|reads?|states?|goes|went|were|was"
+         r"|dicen|dice|disent|dit|sont|est|sagen|sagt|lauten|lautet|sind|ist|dicono|dice|sono|è|dizem|diz|são|é")
+QUOTES_OPEN, QUOTES_CLOSE = "\"“«„", "\"”»“"
+SELF_QUOTE_OPEN = re.compile(rf"(?i)\b(?:{_MY_INSTRUCTIONS})\s*(?:(?:{_SAYS})\b[^{QUOTES_OPEN}:\n]{{0,20}})?:?\s*"
+                             rf"[{QUOTES_OPEN}]")
 # first person or "the system prompt": a document's "the rules state: \"...\"" is not a leak; the quote
 # may run to the end of the text (an answer cut off inside it)
-SELF_QUOTE = re.compile(SELF_QUOTE_OPEN.pattern + r"(?P<v>[^\"”]{40,})(?:[\"”]|\Z)")
+SELF_QUOTE = re.compile(SELF_QUOTE_OPEN.pattern + rf"(?P<v>[^{QUOTES_CLOSE}]{{40,}})(?:[{QUOTES_CLOSE}]|\Z)")
+# "Sure, here is my full system prompt:" and the prompt after it, unquoted: the rest of the answer
+SELF_DUMP_OPEN = re.compile(rf"(?i)\b(?:here\s+is|here's|below\s+is|this\s+is|aqu[ií]\s+(?:est[aá]|tienes)|voici"
+                            rf"|hier\s+(?:ist|sind)|ecco|aqui\s+est[aá]o?)\s+(?:{_MY_INSTRUCTIONS})\b[^:\n]{{0,30}}:")
+SELF_DUMP = re.compile(SELF_DUMP_OPEN.pattern + r"\s*(?P<v>[\s\S]{40,})")
 PLACEHOLDER_WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "apikey", "api_key", "key",
                                "user", "username", "mypassword", "yourpassword", "pa55word", "letmein"})
 # telephone numbers set aside for fiction and documentation: NANP 555 exchange, Ofcom's drama ranges
@@ -184,8 +200,9 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
             found.append(Finding(m.start(), m.end(), "pii", "phone number"))
     if leaks is not None:
         found += leaks.find(text)
-    for m in SELF_QUOTE.finditer(text):
-        found.append(Finding(m.start("v"), m.end("v"), "system_prompt_leak", "system prompt"))
+    for pattern in (SELF_QUOTE, SELF_DUMP):
+        for m in pattern.finditer(text):
+            found.append(Finding(m.start("v"), m.end("v"), "system_prompt_leak", "system prompt"))
     found.sort(key=lambda f: (f.start, -(f.end - f.start)))
     kept: list[Finding] = []
     for f in found:
