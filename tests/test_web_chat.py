@@ -160,8 +160,14 @@ def test_switch_rename_and_delete_conversations(browser, served):
     assert "Alfama" not in page.inner_text("#chat")
     # rename the open conversation
     page.click("#manage")
-    page.fill("#rename-box textarea, #rename-box input", "Gamma budget 2025")
+    title = page.locator("#rename-box textarea, #rename-box input")
+    # the open event's title has landed (else it could overwrite what is typed next: seen once in CI)
+    page.wait_for_function("() => [...document.querySelectorAll('#rename-box textarea, #rename-box input')]"
+                           ".some(e => e.value === 'Beta budget')")
+    title.fill("Gamma budget 2025")
     page.click("#rename")
+    page.wait_for_function("() => /Renamed\\.|new title first/.test(document.querySelector('#status').innerText)")
+    assert "Renamed." in page.inner_text("#status"), page.inner_text("#status")
     sidebar.get_by_text("Gamma budget 2025").wait_for()
     assert assistant.conversations.get(beta).title == "Gamma budget 2025"
     # search by title
