@@ -16,6 +16,7 @@ start of a call marker is withheld; once a marker is seen, everything from it on
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import uuid
@@ -25,6 +26,7 @@ from typing import Any, Iterable
 OPENERS = ("<tool_call>", "```json", "```JSON", "```\n{")
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 FENCED_JSON = re.compile(r"```(?:json|JSON)?\s*\n?(\{.*?)(?:```|$)", re.S)
+NEAR_NAME = 0.75  # difflib ratio at which an unknown tool name is taken for a misspelt real one
 CALL_FORMAT = '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
 
 
@@ -145,7 +147,13 @@ def parse_call(raw: str, tool_names: set[str]) -> ToolCall | MalformedCall:
     if not isinstance(arguments, dict):
         return MalformedCall(raw, f'The "arguments" of {name} must be a JSON object. Write the call as:\n{CALL_FORMAT}')
     if name not in tool_names:
-        return MalformedCall(raw, f"There is no tool named {name!r}. Available tools: {', '.join(sorted(tool_names))}.")
+        near = difflib.get_close_matches(name, sorted(tool_names), n=1, cutoff=NEAR_NAME)
+        if near:  # a misspelt tool ("pyhton", "search_document"): worth a repair
+            return MalformedCall(raw, f"There is no tool named {name!r}; did you mean {near[0]!r}? Write the call "
+                                      f"as:\n{CALL_FORMAT}")
+        # a made-up tool ({"name": "hello grandma", "arguments": {...}}): the 0.5B model, shown the list of
+        # tools in a repair, answered with the repair's own words; asked again without tools, it answers
+        return MalformedCall(raw, f"There is no tool named {name!r}; answer in plain text.", not_a_call=True)
     return ToolCall(name, arguments)
 
 

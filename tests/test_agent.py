@@ -74,13 +74,26 @@ def test_an_answer_written_as_a_call_of_no_tool_is_asked_again_without_tools(tmp
 
 
 def test_second_malformed_call_withdraws_tools_and_still_answers(tmp_path):
-    bad = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    bad = '<tool_call>{"name": "adds", "arguments": {}}</tool_call>'  # a misspelt tool: repaired once
     orch, engine = make_orchestrator(tmp_path, bad, bad, "I cannot use tools; 2+3 is 5.", tools=[AddTool()])
     events = list(orch.run_turn(None, "2+3?"))
-    assert "no tool named 'nope'" in engine.prompts[1][-1]["content"]
+    assert "no tool named 'adds'; did you mean 'add'?" in engine.prompts[1][-1]["content"]
     assert any(isinstance(e, Notice) and "without tools" in e.message for e in events)
     assert engine.tools_seen[2] is None  # the last call offered no tools
     assert events[-1].text == "I cannot use tools; 2+3 is 5."
+
+
+def test_a_call_of_a_made_up_tool_is_answered_without_tools_not_repaired(tmp_path):
+    """Seen in `make run` with the 0.5B: "Say hello to my grandma in Italian." came back as a call of a tool
+    named 'hello grandma'; shown the repair ("There is no tool named ... Available tools: python."), the
+    model answered with those words. A name no tool resembles is content: ask again without tools."""
+    made_up = '<tool_call>{"name": "hello grandma", "arguments": {"language": "Italian"}}</tool_call>'
+    orch, engine = make_orchestrator(tmp_path, made_up, "Ciao nonna!", tools=[AddTool()])
+    events = list(orch.run_turn(None, "Say hello to my grandma in Italian."))
+    assert not any(isinstance(e, ToolCallStarted) for e in events)
+    assert engine.tools_seen[1] is None and len(engine.prompts) == 2
+    assert all("no tool named" not in str(m.get("content")) for m in engine.prompts[1])
+    assert events[-1].text == "Ciao nonna!"
 
 
 def test_bad_arguments_are_an_observation_not_a_crash(tmp_path):
