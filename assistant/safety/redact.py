@@ -61,7 +61,7 @@ PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|changeme|redacte
                          r"|x{4,}|\*{3,}|\.{3}|…|\b(?:foo|bar|abc|1234)\b")
 _MY_INSTRUCTIONS = (  # first person, or "the system prompt"; English, Spanish, French, German, Italian, Portuguese
     r"my\s+(?:(?:full|complete|entire|exact|system|initial|hidden|original|internal)\s+){0,2}"
-    r"(?:prompt|instructions?|system message|directives?|rules|guidelines|configuration)"
+    r"(?:prompt|instructions?|system message|directives?|rules|guidelines)"
     r"|the\s+(?:system|hidden|initial)\s+(?:prompt|message|instructions?)"
     r"|mis\s+instrucciones(?:\s+de\s+sistema)?|mi\s+prompt(?:\s+de\s+sistema)?|mis\s+reglas"
     r"|mes\s+(?:instructions|consignes)(?:\s+syst[eè]me)?|mon\s+prompt(?:\s+syst[eè]me)?"
@@ -69,7 +69,7 @@ _MY_INSTRUCTIONS = (  # first person, or "the system prompt"; English, Spanish, 
     r"|le\s+mie\s+istruzioni(?:\s+di\s+sistema)?|il\s+mio\s+prompt(?:\s+di\s+sistema)?"
     r"|minhas\s+instru[cç][oõ]es(?:\s+de\s+sistema)?|meu\s+prompt(?:\s+de\s+sistema)?")
 _SAYS = (r"is|are|says?|reads?|states?|goes|went|were|was"
-         r"|dicen|dice|disent|dit|sont|est|sagen|sagt|lauten|lautet|sind|ist|dicono|dice|sono|è|dizem|diz|são|é")
+         r"|dicen|dice|disent|dit|sont|est|sagen|sagt|lauten|lautet|sind|ist|dicono|sono|è|dizem|diz|são|é")
 QUOTES_OPEN, QUOTES_CLOSE = "\"“«„", "\"”»“"
 SELF_QUOTE_OPEN = re.compile(rf"(?i)\b(?:{_MY_INSTRUCTIONS})\s*(?:(?:{_SAYS})\b[^{QUOTES_OPEN}:\n]{{0,20}})?:?\s*"
                              rf"[{QUOTES_OPEN}]")

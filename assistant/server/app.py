@@ -99,7 +99,7 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
                     timeout_graceful_shutdown=3)  # open streams (browser tabs) must not block Ctrl-C
     finally:
         if (turns := getattr(getattr(app, "state", None), "turns", None)) is not None:
-            turns.running.close()
+            turns.running.close()  # the app's lifespan did, unless the server never started (a port in use)
         if gateway is not None:
             gateway.close()
         assistant.close()
