@@ -149,3 +149,18 @@ def test_a_web_chat_conversation_started_by_a_key_takes_its_tiers_policy(tmp_pat
     mine, theirs = web.start("Red team", lab.id), web.start("Homework", public.id)
     assert assistant.safety.policy_of(mine) == "permissive-research"
     assert assistant.safety.policy_of(theirs) == "default"
+
+
+def test_a_web_chat_conversation_of_a_static_key_takes_the_default_tiers_policy(tmp_path):
+    from assistant.server.auth import Authenticator
+    from ui.gradio_app import WebChat
+
+    tiers = {"research": {"safety_policy": "permissive-research"}, "free": {"safety_policy": "strict"}}
+    assistant, _, _ = make_app(tmp_path, tiers=tiers, api_keys="s3cret-static", default_tier="research",
+                               settings=SAFETY_ON)
+    stored, _ = assistant.keys.create("public", "free")
+    static_id = Authenticator.from_config(assistant.config, assistant.keys).authenticate("Bearer s3cret-static").key_id
+    web = WebChat(assistant)
+    assert (web.tier_policy(static_id), web.tier_policy(stored.id), web.tier_policy("static00000000")) == \
+        ("permissive-research", "strict", None)
+    assert assistant.safety.policy_of(web.start("Red team", static_id)) == "permissive-research"

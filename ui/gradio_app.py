@@ -144,11 +144,11 @@ class WebChat:
 
     def tier_policy(self, key_id: str) -> str | None:
         """The safety policy the key's tier names (None: the server's, or safety is off)."""
-        keys = getattr(self.assistant, "keys", None)
-        if getattr(self.assistant, "safety", None) is None or keys is None or not key_id or key_id == LOCAL_USER:
+        from assistant.server.auth import Authenticator
+
+        if getattr(self.assistant, "safety", None) is None or not key_id or key_id == LOCAL_USER:
             return None
-        record = next((k for k in keys.list() if k.id == key_id), None)
-        tier = self.assistant.config.server.tiers.get(record.tier) if record is not None else None
+        tier = Authenticator.from_config(self.assistant.config, getattr(self.assistant, "keys", None)).tier_of(key_id)
         return (tier.safety_policy or None) if tier is not None else None
 
     def conversations(self, key_id: str, query: str = "") -> list[Any]:

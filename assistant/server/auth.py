@@ -77,6 +77,14 @@ class Authenticator:
             return LOCAL  # an open server ignores whatever key a client sends (OpenAI SDKs always send one)
         return None
 
+    def tier_of(self, key_id: str) -> TierConfig | None:
+        """The tier of a key already authenticated, by its id (the web chat knows only the id): a static
+        key's is `default_tier`, a stored key's its record's; None for the key-less local user."""
+        if any(_static_id(key) == key_id for key in self._static):
+            return self._principal(key_id, "static key", self._default_tier).tier
+        record = next((k for k in self._keys.list() if k.id == key_id), None) if self._keys is not None else None
+        return self._principal(key_id, record.name, record.tier).tier if record is not None else None
+
     def _principal(self, key_id: str, name: str, tier_name: str) -> Principal:
         tier = self._tiers.get(tier_name)
         if tier is None:  # a key of a tier later removed from the config: the most restrictive default
