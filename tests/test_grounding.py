@@ -72,6 +72,17 @@ def test_copied_passage_headers_are_removed():
     assert bare.text.startswith(REFUSAL)
 
 
+def test_sentences_that_only_say_where_the_answer_was_read_are_removed():
+    # seen in eval answers: the markers the citation check drops left "It is cited in passages and."
+    for tail in ("It is cited in passages [1] and [3].", "This is stated in the passage from libtasn1.pdf p. 8.",
+                 "The passage from libtasn1.pdf p. 8 (section Invoking asn1Parser) provides the relevant information."):
+        g = ground(f"The --check option checks the syntax only [2]. {tail}", evidence(), PASSAGES)
+        assert g.text == "The --check option checks the syntax only [2]." and not g.refused
+    for kept in ("It is described in section 3 of the manual [2].",  # the first sentence is the answer
+                 "The --check option checks the syntax [2]. It is located at the end of the file."):  # a claim, not a pointer
+        assert strip_echoes(kept) == kept
+
+
 def test_a_turn_over_documents_refuses_a_made_up_fact_and_cites_nothing(tmp_path):
     assistant, _ = make_assistant(tmp_path, "The Zephyr X2 weighs 2.5 kg [1].", "The warranty period is 7 years [1].",
                                   retriever=FakeRetriever(MANUAL))
