@@ -8,6 +8,9 @@
 Search is hybrid by default: the query's dense embedding and its BM25 sparse vector are sent together
 and fused by RRF inside Qdrant; only chunks of committed, fully written documents are visible.
 
+Distinct texts only: a hit whose text repeats one ranked higher is dropped, and the next one fills
+its place (the query fetches 2k so that k distinct hits are usually there).
+
 Exact identifiers first. RRF counts ranks only: when a query names an identifier ("XK-4471Q",
 "E1234", "max_num_seqs"), BM25 ranks its one chunk first by a wide score margin, but dense search ranks
 look-alike codes first and RRF may then put a look-alike on top (seen with the real embedder, decided
@@ -15,7 +18,10 @@ by float rounding). Score-based fusion (DBSF) fixes that case but loses natural 
 scores are bunched. So fusion stays RRF, and for queries with identifiers the fused list is fetched
 `candidates` deep and the chunks that contain one of those identifiers verbatim (case-insensitive,
 whole token) move to the front, in fused order. Fusion still happens in Qdrant; this is a stable
-partition of at most `candidates` hits.
+sort of at most `candidates` hits. When a query names several identifiers, a chunk weighs the sum of
+1/df of those it holds (df: how many candidates hold it), so the rare one counts: in "since which
+libtasn1 version is asn1_perror available?" every chunk of the manual holds "libtasn1", and a plain
+"holds any" partition left the one chunk with asn1_perror fourth behind the title page.
 """
 
 from __future__ import annotations
@@ -111,13 +117,15 @@ class Retriever:
                 return []
             sparse, mode = None, "dense"  # only stopwords: nothing for BM25 to match
         identifiers = query_identifiers(query) if mode == "hybrid" else []
-        found = self.index.query(dense=dense, sparse=sparse, limit=max(k, self.candidates) if identifiers else k,
-                                 where=where, mode=mode, candidates=max(self.candidates, k))
+        found = self.index.query(dense=dense, sparse=sparse, limit=max(k, self.candidates) if identifiers else 2 * k,
+                                 where=where, mode=mode, candidates=max(self.candidates, 2 * k))
         hits = [hit_from_payload(p.id, p.score, p.payload) for p in found]
-        if identifiers:  # exact identifiers first (module docstring), then the fused order
-            exact = [contains_identifier(h.text, identifiers) for h in hits]
-            hits = [h for h, e in zip(hits, exact) if e] + [h for h, e in zip(hits, exact) if not e]
-        return hits[:k]
+        if identifiers:  # exact identifiers first, the rarest weighing most (module docstring), then the fused order
+            held = [[contains_identifier(h.text, [ident]) for ident in identifiers] for h in hits]
+            df = [sum(row[j] for row in held) for j in range(len(identifiers))]
+            weight = [sum(1 / df[j] for j, has in enumerate(row) if has) for row in held]
+            hits = [h for _, h in sorted(zip(weight, hits), key=lambda pair: -pair[0])]  # stable: fused order within
+        return distinct(hits)[:k]
 
     def read(self, doc: str, pages: list[int] | None = None) -> list[PageText]:
         """Whole pages of a document (all of them when `pages` is None), in page order.
@@ -191,6 +199,20 @@ class Retriever:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def distinct(hits: list[Hit]) -> list[Hit]:
+    """The hits without repeats of a text already ranked higher (whitespace and case folded): the same
+    file indexed from two paths, or a page header repeated on every page, would otherwise fill the top
+    k with copies (an eval library holding each manual twice gave 2-3 different passages out of 5)."""
+    seen: set[str] = set()
+    out = []
+    for hit in hits:
+        key = " ".join(hit.text.lower().split())
+        if key not in seen:
+            seen.add(key)
+            out.append(hit)
+    return out
 
 
 def hit_from_payload(point_id: str, score: float, p: dict[str, Any]) -> Hit:

@@ -67,8 +67,9 @@ def test_equal_content_at_two_paths_is_two_documents(tmp_path, ingester):
         p.write_text("Shared content about the ZEBRAFISH protocol.")
     ra, rb = ingester.ingest_file(a), ingester.ingest_file(b)
     assert ra.status == rb.status == "added" and ra.doc_id != rb.doc_id
+    assert ingester.index.count({"doc_id": ra.doc_id}) > 0 and ingester.index.count({"doc_id": rb.doc_id}) > 0
     hits = Retriever(ingester.index, ingester.embedder).search("ZEBRAFISH protocol", k=5)
-    assert {h.path for h in hits} == {str(a.resolve()), str(b.resolve())}
+    assert len(hits) == 1 and hits[0].path in {str(a.resolve()), str(b.resolve())}  # a search shows one copy of a text
     with pytest.raises(DocumentNotFound, match="names 2 documents"):
         ingester.find_document("a.txt")
 

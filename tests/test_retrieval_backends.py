@@ -151,3 +151,28 @@ def test_pipeline_and_retriever_agree_across_backends(tmp_path):
         assert e[0][0] == c[0][0]
         assert [h[1] for h in e] == pytest.approx([h[1] for h in c], abs=2e-3)
     assert edge["search"][0][0][2][0] == "n.md" and edge["search"][1][0][2][1] == 4
+
+
+def test_search_returns_distinct_texts_and_weighs_the_rarer_identifier(tmp_path):
+    # The same manual indexed from two paths filled the top k with copies (2-3 different passages out of 5);
+    # and with two identifiers in a query, "holds any" let the one every chunk holds (the library's name)
+    # outrank the chunk with the function asked about.
+    chapters = [(f"Chapter {i}", f"The libfoo library, part {i}: " + ". ".join(SENTENCES[3 * (i % 4):3 * (i % 4) + 3]))
+                for i in range(8)]
+    chapters[6] = ("Errors", "void foo_perror (int error) prints a description of an error. Since: 1.6.")
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        make_pdf(tmp_path / folder / "libfoo.pdf", chapters)
+    embedder = HashEmbedder(DIM)
+    index = EdgeIndex(tmp_path / "edge", DIM)
+    ingester = Ingester(index, embedder, Chunker(embedder.tokenize, chunk_tokens=64, overlap_tokens=8))
+    assert [r.status for r in ingester.ingest([tmp_path / "a" / "libfoo.pdf", tmp_path / "b" / "libfoo.pdf"])] == \
+        ["added", "added"]
+    retriever = Retriever(index, embedder)
+    hits = retriever.search("pump seals and valve pressure", k=5)
+    texts = [" ".join(h.text.split()) for h in hits]
+    assert len(hits) == 5 and len(set(texts)) == 5
+    assert len({h.doc_id for h in retriever.search("pump seals", k=50)}) == 2  # both copies are still indexed
+    first = retriever.search("Since which libfoo version is foo_perror available?", k=3)[0]
+    assert "foo_perror" in first.text and first.page == 7
+    index.close()
