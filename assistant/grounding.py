@@ -42,7 +42,7 @@ FACT = re.compile(
     r"|(?<![\w-])--?[A-Za-z][\w-]*"  # options
     r"|\b[A-Za-z]\w*\.[A-Za-z]\w*\b")  # file.ext, module.name
 META = re.compile(  # a sentence about where the answer was read, not part of it ("It is found in passages [1] and [3].")
-    r"^\W*(?:(?:it|this|that|these|the answer|this information|the (?:relevant )?information)\s+(?:is|are|was|were|can be|"
+    r"^\W*(?:(?:it|this|that|these|the answer|th(?:is|ese) \w+|the (?:relevant )?information)\s+(?:is|are|was|were|can be|"
     r"could be|may be)\s+(?:\w+\s+){0,2}?(?:found|stated|cited|indicated|mentioned|given|described|located|listed|"
     r"explained|shown|provided|taken|documented)\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w))"
     r"|the passages?\b.{0,120}?\b(?:provides?|contains?|gives?|holds?)\s+(?:the\s+|this\s+)?(?:relevant\s+)?information\b)",
@@ -69,10 +69,11 @@ def strip_echoes(answer: str) -> str:
     """The answer without passage headers copied from the context ("[2] doc.pdf p. 4: …"), and without
     sentences after the first that only say where it was read ("It is found in the passage from …"):
     the user never saw "the passages", and the sources already say where each fact comes from."""
-    text = ECHO.sub("", answer)
-    meta = [s for s in _sentences(text)[1:] if META.match(MARKERS.sub("", s))]
+    text = answer
+    meta = [s for s in _sentences(text)[1:] if META.match(MARKERS.sub("", s))]  # before the headers go: "p. 3" says it
     for sentence in meta:
         text = text.replace(sentence, "", 1)
+    text = ECHO.sub("", text)
     return re.sub(r"[ \t]{2,}", " ", text).strip() if meta else text
 
 
