@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Sequence
 from assistant.citations import NUMBER_WORDS, Passage
 
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
-                  r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|[ \t.]*$)", re.I | re.M)
+                  r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|(?:[ \t]*\[\d{1,3}\])?[ \t.]*$)", re.I | re.M)
 CODE_BLOCK = re.compile(r"```.*?(?:```|$)", re.S)
 FACT = re.compile(
     r"`[^`\n]+`"  # inline code
@@ -44,7 +44,8 @@ FACT = re.compile(
 META = re.compile(  # a sentence about where the answer was read, not part of it ("It is found in passages [1] and [3].")
     r"^\W*(?:(?:it|this|that|these|the answer|th(?:is|ese) \w+|the (?:relevant )?information)\s+(?:is|are|was|were|can be|"
     r"could be|may be)\s+(?:\w+\s+){0,2}?(?:found|stated|cited|indicated|mentioned|given|described|located|listed|"
-    r"explained|shown|provided|taken|documented)\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w))"
+    r"explained|shown|provided|taken|documented)\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w)"
+    r"|\s+(?:in|from|at|on|by)\W*$)"
     r"|the passages?\b.{0,120}?\b(?:provides?|contains?|gives?|holds?)\s+(?:the\s+|this\s+)?(?:relevant\s+)?information\b)",
     re.I | re.S)
 SENTENCES = re.compile(r"(?<=[.!?])[ \t]+(?=[A-Z`\"'(\[*-])|\n+")
@@ -52,6 +53,7 @@ MARKERS = re.compile(r"\[\d{1,3}(?:\s*,\s*\d{1,3})*\]")
 REFUSAL = "The documents I searched do not say."
 MAX_POINTERS = 3
 DIGIT_WORDS = {digits: word for word, digits in NUMBER_WORDS.items()}  # "2" -> "two"
+EMPTY_WORDS = frozenset({"the", "a", "an", "it", "this", "is", "see"})
 ABBREVIATIONS = frozenset({"e.g", "i.e", "etc", "vs", "cf", "a.k.a"})
 
 
@@ -75,6 +77,11 @@ def strip_echoes(answer: str) -> str:
         text = text.replace(sentence, "", 1)
     text = ECHO.sub("", text)
     return re.sub(r"[ \t]{2,}", " ", text).strip() if meta else text
+
+
+def says_anything(text: str) -> bool:
+    """Whether `text` has a word besides citation markers and an article ("[1]" and "The [4]" do not)."""
+    return any(w.lower() not in EMPTY_WORDS for w in re.findall(r"\w+", MARKERS.sub(" ", text)))
 
 
 def facts(text: str) -> list[str]:
@@ -106,7 +113,7 @@ class Evidence:
 def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) -> Grounding:
     """Drop the sentences of `answer` whose facts the evidence does not hold (see the design note)."""
     text = strip_echoes(answer)
-    if answer.strip() and not text.strip():  # nothing but a copied passage header: no answer at all
+    if answer.strip() and not says_anything(text):  # nothing but a copied passage header or a marker: no answer
         return Grounding(refusal(passages), (), True)
     kept, unsupported, stated, supported = [], [], 0, 0
     for sentence in _sentences(text):

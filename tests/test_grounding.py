@@ -70,13 +70,16 @@ def test_copied_passage_headers_are_removed():
     assert g.text == "asn1Parser -c, --check checks the syntax only." and not g.unsupported
     bare = ground("[3] shared-mime-info-spec.pdf p. 8", evidence(), PASSAGES)  # a header and nothing else
     assert bare.text.startswith(REFUSAL)
+    for empty in ("The ninja-manual.html p. 1 (section Version compatibility) [4]", "[1]", " [2]. [2]"):  # eval answers
+        assert ground(empty, evidence(), PASSAGES).text.startswith(REFUSAL), empty
+    assert ground("ASN1_DECODE_FLAG_ALLOW_PADDING [1]", evidence(), PASSAGES).text == "ASN1_DECODE_FLAG_ALLOW_PADDING [1]"
 
 
 def test_sentences_that_only_say_where_the_answer_was_read_are_removed():
     # seen in eval answers: the markers the citation check drops left "It is cited in passages and."
     for tail in ("It is cited in passages [1] and [3].", "This is stated in the passage from libtasn1.pdf p. 8.",
                  "The passage from libtasn1.pdf p. 8 (section Invoking asn1Parser) provides the relevant information.",
-                 "This option is described in libtasn1.pdf p. 8."):  # once the header went, "It is described in" was left
+                 "This option is described in libtasn1.pdf p. 8.", "It is found in [1]."):  # once the header went, "It is described in" was left
         g = ground(f"The --check option checks the syntax only [2]. {tail}", evidence(), PASSAGES)
         assert g.text == "The --check option checks the syntax only [2]." and not g.refused
     for kept in ("It is described in section 3 of the manual [2].",  # the first sentence is the answer
