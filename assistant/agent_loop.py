@@ -10,8 +10,9 @@ Design note — one step loop, two doors:
     splitter releases) becomes TextDelta events that pass through the turn's stream transformers (an
     output guard, a sentence-to-speech transformer) in order. What comes out of the last transformer
     is what the user sees and what is stored.
-  A counting question whose prefetched section holds a list is answered before the loop, counted in
-  code (assistant/counting.py); otherwise the loop runs.
+  A counting question over a prefetched section is answered before the loop, counted in code
+  (assistant/counting.py) over the list the section names, else over the items the model copies out
+  of it in one unshown call; otherwise the loop runs.
   The loop itself: up to `max_steps` engine calls that may use tools. Each prompt is fitted to the
   context window (assistant/context.py) and sent to the engine the Router picks (assistant/routing.py)
   with the enabled tools' specs in the model's own chat template. Deltas stream as answer text except
@@ -33,13 +34,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 from assistant.citations import SourceLedger
 from assistant.config import AssistantConfig
-from assistant.context import PromptParts, fit_prompt
-from assistant.counting import MAX_ITEMS, count_answer, counted_noun, section_items, supported_items
+from assistant.context import ContextPlan, PromptParts, fit_prompt
+from assistant.counting import (LIST_ITEMS, MAX_ITEMS, MIN_LISTED, count_answer, counted_noun, listed_items,
+                                section_items, supported_items)
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.routing import Router
@@ -184,7 +186,7 @@ class AgentLoop:
         history = [m["content"] for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
         context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
         if found is not None and found.count and context:
-            if (yield from self._count(turn, user, found, emitter)):
+            if (yield from self._count(turn, user, found, emitter, context, params, cancel)):
                 yield from emitter.finish()
                 return
         steps: list[Message] = []
@@ -267,17 +269,43 @@ class AgentLoop:
                 yield Notice("The model could not write a valid tool call; it answers without tools.")
         yield from emitter.finish()
 
-    def _count(self, turn: TurnState, user: Message, found: Any, emitter: Emitter) -> Iterator[TurnEvent]:
-        """A counting question over the prefetched section, counted in code (assistant/counting.py).
-        Returns whether it answered (a section without a list falls back to the ordinary answer)."""
+    def _count(self, turn: TurnState, user: Message, found: Any, emitter: Emitter, context: list[str],
+               params: SamplingParams, cancel: threading.Event | None) -> Iterator[TurnEvent]:
+        """A counting question over the prefetched section, counted in code (assistant/counting.py):
+        over the list something in the section names, else over the items the model lists. Returns
+        whether it answered (no list of at least two items any passage holds: the ordinary answer)."""
         passages, heading = turn.ledger.passages, str(found.arguments.get("section") or "")
         listed = section_items("\n".join(p.text for p in passages), counted_noun(user["content"]), heading)
+        how = "counted in code"
+        if not listed:
+            listed = self._listed_by_model(turn, user, context, params, cancel)
+            how = "listed by the model, counted in code"
         items = supported_items(listed, passages)
-        if not items or len(items) > MAX_ITEMS:
+        if not items or len(items) > MAX_ITEMS or (len(items) < MIN_LISTED and how != "counted in code"):
             return False
         yield from emitter.emit(count_answer(user["content"], items))
-        turn.finish, turn.model, turn.route = "stop", "counted in code", "count"
+        turn.finish, turn.model, turn.route = "stop", how, "count"
         return True
+
+    def _listed_by_model(self, turn: TurnState, user: Message, context: list[str], params: SamplingParams,
+                         cancel: threading.Event | None) -> list[str]:
+        """The items the model copies out of the section for a counting question, one per line (not
+        shown: code counts them, and only items a passage holds count; see assistant/counting.py)."""
+        messages: list[Message] = [{"role": "system", "content": self.config.system_prompt},
+                                   {"role": "system", "content": "Passages from the user's documents:\n" + "\n".join(context)},
+                                   {"role": "user", "content": LIST_ITEMS.format(question=user["content"])}]
+        tokens = self.router.small.count_tokens(messages)
+        if tokens + params.max_tokens > self.router.context_window:
+            return []
+        route = self.router.choose(prompt_tokens=tokens, has_documents=True, after_tool_step=False, prefer=turn.prefer)
+        engine, stream = self.router.generate(route, messages, replace(params, temperature=0.0), tools=None,
+                                              cancel=cancel, notices=[])
+        turn.start_call(ContextPlan(messages, tokens, 0), engine, route)
+        text = ""
+        for delta in stream:
+            turn.track(delta)
+            text += delta.text
+        return listed_items(text)
 
     def _prefetch(self, question: str, turn: TurnState, history: list[str], *,
                   enabled: bool) -> Iterator[TurnEvent]:

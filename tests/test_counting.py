@@ -169,3 +169,37 @@ def test_a_number_out_of_sequence_starts_a_new_list():
 
 def test_a_table_of_rules_only_is_no_list():
     assert section_items("Options\n|---|\n| --- | --- |\nSome prose.", "options", "Options") == []
+
+
+class ProseRetriever(FakeRetriever):
+    """One section whose items run through prose: no list for the code to find."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits = [Hit("c3", "d1", "/docs/a.pdf", 5, "Modifiers",
+                         "The modifiers are start of month, start of year, weekday N, unixepoch and localtime; "
+                         "utc converts back.")]
+
+
+def test_a_section_without_a_list_is_listed_by_the_model_and_counted_in_code(tmp_path):
+    from assistant.events import Done
+    from tests.agent_fakes import make_assistant
+
+    listing = "- start of month [1]\n- start of year\n- weekday N\n- unixepoch.\n- weekday N\n- sunset\n- localtime"
+    assistant, engine = make_assistant(tmp_path, listing, retriever=ProseRetriever())
+    done = list(assistant.turn(None, "How many modifiers does the Modifiers section describe?"))[-1]
+    assert isinstance(done, Done) and done.text.startswith("There are 5 modifiers")  # a repeat and "sunset" do not count
+    assert "- weekday N [1]" in done.text and "sunset" not in done.text and len(engine.prompts) == 1
+    meta = assistant.orchestrator.store.get_message(done.message_id).meta
+    assert (meta["model"], meta["route"]) == ("listed by the model, counted in code", "count")
+    assert "Copy out every item the question counts" in engine.prompts[0][-1]["content"]
+
+
+def test_a_listing_with_fewer_than_two_held_items_falls_back_to_the_answer(tmp_path):
+    from assistant.events import Done
+    from tests.agent_fakes import make_assistant
+
+    assistant, engine = make_assistant(tmp_path, "- sunset\n- moonrise", "Five modifiers are described [1].",
+                                       retriever=ProseRetriever())
+    done = list(assistant.turn(None, "How many modifiers does the Modifiers section describe?"))[-1]
+    assert done.text.startswith("Five modifiers are described") and len(engine.prompts) == 2
