@@ -119,7 +119,9 @@ class Retriever:
         identifiers = query_identifiers(query) if mode == "hybrid" else []
         found = self.index.query(dense=dense, sparse=sparse, limit=max(k, self.candidates) if identifiers else 2 * k,
                                  where=where, mode=mode, candidates=max(self.candidates, 2 * k))
-        hits = [hit_from_payload(p.id, p.score, p.payload) for p in found]
+        # equal scores in chunk-id order: RRF ties are common (ranks 3+5 and 5+3 sum alike) and Qdrant returns
+        # them in no fixed order, so passages swapped places between two runs of one question (and [3] became [4])
+        hits = sorted((hit_from_payload(p.id, p.score, p.payload) for p in found), key=lambda h: (-h.score, h.chunk_id))
         if identifiers:  # exact identifiers first, the rarest weighing most (module docstring), then the fused order
             held = [[contains_identifier(h.text, [ident]) for ident in identifiers] for h in hits]
             df = [sum(row[j] for row in held) for j in range(len(identifiers))]

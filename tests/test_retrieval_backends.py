@@ -176,3 +176,24 @@ def test_search_returns_distinct_texts_and_weighs_the_rarer_identifier(tmp_path)
     first = retriever.search("Since which libfoo version is foo_perror available?", k=3)[0]
     assert "foo_perror" in first.text and first.page == 7
     index.close()
+
+
+def test_tied_scores_come_back_in_one_order_whatever_order_the_index_gives():
+    # Qdrant returns RRF ties (ranks 3+5 and 5+3 sum alike) in no fixed order: two runs of one question
+    # numbered the same two passages [3] and [4] the other way round, and the answers differed.
+    from ingest.index_base import ScoredPayload
+
+    class TieIndex:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def query(self, **_: object) -> list:
+            self.calls += 1
+            tied = [ScoredPayload(f"id-{c}", 0.03, {"doc_id": "d", "path": "/a.txt", "page": 1, "text": f"text {c}"})
+                    for c in "abc"]
+            top = ScoredPayload("id-z", 0.05, {"doc_id": "d", "path": "/a.txt", "page": 1, "text": "text z"})
+            return [top, *(tied if self.calls % 2 else tied[::-1])]
+
+    retriever = Retriever(TieIndex(), HashEmbedder(DIM))
+    orders = {tuple(h.chunk_id for h in retriever.search("what text", k=4)) for _ in range(4)}
+    assert orders == {("id-z", "id-a", "id-b", "id-c")}
