@@ -14,7 +14,7 @@ Each line is a JSON object (lines that are empty or start with # are skipped):
 
 Any other field is ignored. Every item is asked in a new conversation. An item of kind "unanswerable"
 is correct when the answer says the documents do not hold the answer (see `refusal_phrase`); any
-other item when every must_contain entry occurs in it.
+other item when every must_contain entry occurs in it (a number as a whole number: "5" not in "rfc5890").
 
 Documents: `--docs PATH...` ingests those files first. The documents named in the file's `docs` are
 ingested too (each once, before the first question; unchanged files are skipped) with `--ingest`, and
@@ -42,6 +42,7 @@ from assistant.commands import EVAL_HELP, command_group
 from assistant.events import Done, Sources
 
 UNANSWERABLE = "unanswerable"
+NUMBER = re.compile(r"\d+(?:\.\d+)*")  # a must_contain entry that is a number or version
 NO_KIND = "-"  # the kind of items that do not name one (the old format)
 
 
@@ -71,7 +72,15 @@ class QAItem:
     def missing(self, answer: str) -> list[str]:
         """The must_contain entries the answer lacks (alternatives joined with |)."""
         text = answer.lower()
-        return ["|".join(alts) for alts in self.must_contain if not any(a.lower() in text for a in alts)]
+        return ["|".join(alts) for alts in self.must_contain if not any(occurs(a.lower(), text) for a in alts)]
+
+
+def occurs(entry: str, text: str) -> bool:
+    """Whether `entry` occurs in `text`; a number only as a whole number: "5" is not in "rfc5890" or "25",
+    "1.6" is not in "1.6.3" (a count of 6 RFCs listing rfc5890 was scored right for "5")."""
+    if NUMBER.fullmatch(entry):
+        return re.search(rf"(?<![\w.]){re.escape(entry)}(?!\w|\.\d)", text) is not None
+    return entry in text
 
 
 @dataclass

@@ -321,3 +321,12 @@ def test_cli_takes_the_new_options():
     assert (args.kinds, args.limit, args.repeat, args.output, args.ingest) == ("lookup,count", 5, 2, "out.jsonl", True)
     assert build_parser().parse_args(["eval", "answers", "qa.jsonl"]).ingest is None
     assert build_parser().parse_args(["eval", "answers", "qa.jsonl", "--no-ingest"]).ingest is False
+
+
+def test_a_number_must_occur_as_a_whole_number():
+    # "There are 6 RFCs: ... rfc5890" was scored right for a must_contain of "5"
+    from assistant.evaluate import occurs
+
+    assert not occurs("5", "there are 6 rfcs: rfc5890, rfc5891") and occurs("5", "there are 5 rfcs.")
+    assert not occurs("1.6", "since version 1.6.3") and occurs("1.6", "since: 1.6.") and not occurs("25", "125 types")
+    assert occurs("-2", "returns -2 when") and occurs("day of week", "the day of week 0-6")
