@@ -280,6 +280,8 @@ class AgentLoop:
         if not listed:
             listed = self._listed_by_model(turn, user, context, params, cancel)
             how = "listed by the model, counted in code"
+            if turn.finish == "cancelled":  # stopped while the model listed: the turn ends here, with nothing said
+                return True
         items = supported_items(listed, passages)
         if not items or len(items) > MAX_ITEMS or (len(items) < MIN_LISTED and how != "counted in code"):
             return False

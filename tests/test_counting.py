@@ -203,3 +203,19 @@ def test_a_listing_with_fewer_than_two_held_items_falls_back_to_the_answer(tmp_p
                                        retriever=ProseRetriever())
     done = list(assistant.turn(None, "How many modifiers does the Modifiers section describe?"))[-1]
     assert done.text.startswith("Five modifiers are described") and len(engine.prompts) == 2
+
+
+def test_a_turn_cancelled_while_the_model_lists_ends_without_an_answer(tmp_path):
+    import threading
+
+    from assistant.events import Done
+    from tests.agent_fakes import make_assistant
+
+    assistant, engine = make_assistant(tmp_path, "- start of month\n- start of year\n- weekday N",
+                                       "Five modifiers are described [1].", retriever=ProseRetriever())
+    cancel = threading.Event()
+    cancel.set()
+    done = list(assistant.orchestrator.run_turn(None, "How many modifiers does the Modifiers section describe?",
+                                                cancel=cancel))[-1]
+    assert isinstance(done, Done) and done.finish_reason == "cancelled" and done.text == ""
+    assert len(engine.prompts) == 1  # no second call after the cancelled listing
