@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from assistant.citations import SourceLedger
 from assistant.config import AssistantConfig
-from assistant.context import ContextPlan, PromptParts, fit_prompt
+from assistant.context import ContextPlan, PromptParts, fit_prompt, passages_block
 from assistant.counting import (LIST_ITEMS, MAX_ITEMS, MIN_LISTED, count_answer, counted_noun, listed_items,
                                 section_items, supported_items)
 from assistant.engine.base import Engine, Message, SamplingParams
@@ -294,7 +294,7 @@ class AgentLoop:
         """The items the model copies out of the section for a counting question, one per line (not
         shown: code counts them, and only items a passage holds count; see assistant/counting.py)."""
         messages: list[Message] = [{"role": "system", "content": self.config.system_prompt},
-                                   {"role": "system", "content": "Passages from the user's documents:\n" + "\n".join(context)},
+                                   {"role": "system", "content": passages_block(context)},
                                    {"role": "user", "content": LIST_ITEMS.format(question=user["content"])}]
         tokens = self.router.small.count_tokens(messages)
         if tokens + params.max_tokens > self.router.context_window:

@@ -76,12 +76,17 @@ def memory_message(memory: str) -> Message:
     return {"role": "system", "content": f"Summary of the earlier conversation:\n{memory}"}
 
 
+def passages_block(passages: Sequence[str]) -> str:
+    """The retrieved passages as the model reads them, under one heading."""
+    return "Passages from the user's documents:\n" + "\n".join(passages)
+
+
 def context_message(passages: Sequence[str]) -> Message:
     # No example answer here: the 0.5B model copied "The device weighs 2 kg [2]." into 5 of 30 answers
     # when it was unsure. Asking for full sentences matters as much: told only to "write the number of
     # its passage after the fact", it answered with the marker alone ("[1]") on 21 of 60 dev questions.
     return {"role": "system", "content": (
-        "Passages from the user's documents:\n" + "\n".join(passages) + "\n\nAnswer the user's question in one or "
+        passages_block(passages) + "\n\nAnswer the user's question in one or "
         "two full sentences, using only these passages, with names and values written exactly as in the passages. "
         "End each sentence with the number of the passage it comes from, in square brackets. If the passages do "
         "not contain the answer, say that the documents do not say.")}
