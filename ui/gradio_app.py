@@ -627,7 +627,10 @@ def build_app(assistant: Any) -> Any:
         past.input(open_conversation, [past], [chatbot, conversation, title_box, status],
                    api_name=False).then(**refresh_branch) \
             .then(**refresh_library)
-        rename.click(rename_conversation, [conversation, title_box, search], [past, title_box, status], api_name=False)
+        # the list is read again once the rename is done: twice in CI the status said "Renamed." while the
+        # sidebar kept the old title (cause not found; a second read from the store converges)
+        rename.click(rename_conversation, [conversation, title_box, search], [past, title_box, status],
+                     api_name=False).then(**refresh_sidebar)
         delete.click(delete_conversation, [conversation, search], [past, chatbot, conversation, title_box, status],
                      api_name=False).then(**refresh_library).then(**refresh_branch)
         remove_doc.click(remove_document, [doomed, conversation], [library, doomed, status], api_name=False)
