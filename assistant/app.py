@@ -253,7 +253,10 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
         if engine is None:
             from assistant.engine import create_engine
 
-            engine = create_engine(config)
+            small = config  # the draft model drafts for the large model when there is one
+            if config.engine.large_model:
+                small = replace(config, engine=replace(config.engine, draft_model=""))
+            engine = create_engine(small)
             closers.append(engine.close)
         router = _router(config, engine)
         closers.append(router.close)

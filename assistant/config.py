@@ -75,6 +75,9 @@ class EngineConfig:
     # greedy requests draft tokens from their own prompt and output and verify them in one step where that pays
     # (engine/speculate.py); "off" = one token per step
     speculation: str = "prompt_lookup"
+    # a smaller model with the same tokenizer that drafts tokens for the large model (engine/draft.py): a model
+    # name or path; "" = none (prompt lookup drafts). With engine.large_model set it drafts for that one only
+    draft_model: str = ""
     # semantic response cache of /v1 raw-model requests at temperature 0 without tools (server/response_cache.py):
     # off by default; on, it serves the tiers with response_cache = true (and an open server's local user)
     response_cache: bool = False

@@ -56,7 +56,6 @@ from assistant.config import AssistantConfig  # noqa: E402
 from assistant.engine.base import SamplingParams  # noqa: E402
 from assistant.engine.loading import load_model, resolve_model_path  # noqa: E402
 from assistant.engine.local import LocalEngine  # noqa: E402
-from assistant.engine.model import LINEARS  # noqa: E402
 
 QUESTIONS = [
     "Explain how a hash map works.", "Write a Python function that reverses a linked list.",
@@ -129,12 +128,8 @@ def llamacpp_decode_rate(gguf: Path, prompt_text: str, threads: int, new_tokens:
 
 
 def decode_weight_mb(engine) -> float:
-    """Weight bytes one greedy decode step reads in the lean model (every linear, the lm_head through its
-    4-bit screen where there is one; the candidates' rows and one embedding row are noise)."""
-    m = engine.model
-    layers = [layer[n] for layer in m.layers for n in LINEARS]
-    head = m.lm_head.screen[0] if m.lm_head.screen is not None else m.lm_head.weight
-    return sum(t.numel() * t.element_size() for t in [head] + [lin.weight for lin in layers]) / 1e6
+    """Weight bytes one greedy decode step reads in the lean model (Transformer.decode_bytes)."""
+    return engine.model.decode_bytes() / 1e6
 
 
 def gguf_decode_mb(gguf: Path | None) -> float | None:

@@ -12,7 +12,7 @@ Figures per model, kind and streams (medians over the rounds; a ratio is taken w
   off_tok_s / on_tok_s   decode tok/s without / with speculation: 1 stream: tokens after the first
                          delta over the time from it to the last; 4 streams: aggregate tokens from
                          the moment all four stream until the last answer ends, over that time
-  speedup                on / off                                  (issue 18: RAG goal >= 1.6x)
+  speedup                mode / off                                (issue 18: RAG goal >= 1.6x)
   acceptance_rate        accepted drafts / drafted tokens
   tokens_per_verify      tokens a speculating sequence-step yields (accepted drafts + 1)
   identical              answers token-for-token equal with and without speculation
@@ -21,8 +21,10 @@ printed too: it is what decides whether a draft pays on this machine.
 
   python bench/speculation.py [--large] [--threads N] [--rounds 3] [--tokens 128] [--quick]
 
-`--large` adds the packaged 1.5B model when it is prepared and at least 10 GB of memory is
-available. Last line: one JSON object.
+`--large` adds the packaged 1.5B model when it is prepared and at least 12 GB of memory is available,
+with a third mode beside off and prompt lookup: the --model (the 0.5B) drafting for it (engine/draft.py;
+draft_speedup: RAG answers, 1 stream, issue 18 goal >= 1.8x; draft_speedup_free: free-form answers).
+Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from assistant.config import AssistantConfig  # noqa: E402
 from assistant.engine.base import SamplingParams  # noqa: E402
-from assistant.engine.loading import load_model  # noqa: E402
+from assistant.engine.loading import load_draft_model, load_model  # noqa: E402
 from assistant.engine.local import LocalEngine  # noqa: E402
-from assistant.engine.speculate import SpeculationStats  # noqa: E402
+from assistant.engine.speculate import SpeculationStats, Speculator  # noqa: E402
 
 PASSAGES = """\
 [1] Backups run every night at 02:00 local time. Each backup is an incremental snapshot of the data directory, compressed with zstd at level 3 and encrypted with AES-256-GCM before it leaves the machine. A full snapshot is taken every Sunday, and incremental snapshots are kept for 35 days.
@@ -112,71 +114,87 @@ def concurrent(engine: LocalEngine, prompts: list[list[dict]], params: SamplingP
 
 
 def stats_delta(engine: LocalEngine, before: SpeculationStats) -> SpeculationStats:
+    """What the engine's current speculator counted since `before`."""
     now = engine.speculator.stats
     return SpeculationStats(now.num_verify_steps - before.num_verify_steps, now.num_drafted - before.num_drafted,
                             now.num_accepted - before.num_accepted, now.num_emitted - before.num_emitted)
 
 
-def speculation(engine: LocalEngine, on: bool) -> None:
-    """Switch prompt lookup on or off between rounds (the engine is idle then)."""
-    engine.scheduler.speculator = engine.speculator if on else None
+def use(engine: LocalEngine, speculator: object) -> None:
+    """Switch the engine's speculation between rounds (the engine is idle then): None = plain decoding."""
+    engine.scheduler.speculator = speculator
+    if speculator is not None:
+        engine.speculator = speculator
 
 
-def bench_model(name: str, args: argparse.Namespace) -> dict[str, object]:
+def bench_model(name: str, args: argparse.Namespace, draft: str = "") -> dict[str, object]:
+    """Modes, each timed in every round against plain decoding ("off"): prompt lookup ("lookup"), and
+    with a draft model also the draft model's speculation ("draft")."""
     config = AssistantConfig.load(overrides={"engine.model": name, "engine.num_threads": args.threads,
-                                             "data_dir": args.data_dir})
+                                             "engine.draft_model": draft, "data_dir": args.data_dir})
     loaded = load_model(config)
-    engine = LocalEngine(loaded, config.engine)
+    engine = LocalEngine(loaded, config.engine, load_draft_model(config))
     del loaded
     gc.collect()
     assert engine.speculator is not None, "engine.speculation is off in this configuration"
+    modes: dict[str, object] = {"off": None, "lookup": Speculator()}
+    if draft:
+        modes["draft"] = engine.speculator
     params = SamplingParams(max_tokens=args.tokens)
     kinds = {"rag": [rag_prompt(q) for q in RAG_QUESTIONS], "free": [free_prompt(q) for q in FREE_QUESTIONS]}
     if args.quick:
         kinds = {kind: prompts[:2] for kind, prompts in kinds.items()}
-    print(f"\nmodel {name}: quantization {engine.quantize or 'none'}, {args.rounds} rounds, up to {args.tokens} tokens")
-    speculation(engine, False)
+    print(f"\nmodel {name}{f' drafted for by {draft}' if draft else ''}: quantization {engine.quantize or 'none'}, "
+          f"{args.rounds} rounds, up to {args.tokens} tokens")
+    use(engine, None)
     for prompts in kinds.values():  # warm-up: every prompt prefilled once, so each round decodes from cached prompts
         for prompt in prompts:
             for _ in engine.generate(prompt, SamplingParams(max_tokens=2)):
                 pass
     out: dict[str, object] = {}
+    names = list(modes)
     for kind, prompts in kinds.items():
         for streams, runner in ((1, one_stream), (len(prompts), concurrent)):
-            rates: dict[bool, list[float]] = {False: [], True: []}
-            answers: dict[bool, list[list[int]]] = {}
-            totals = SpeculationStats()
+            rates: dict[str, list[float]] = {m: [] for m in names}
+            answers: dict[str, list[list[int]]] = {}
+            totals = {m: SpeculationStats() for m in names if m != "off"}
             for round_ in range(args.rounds):
-                for on in ((False, True) if round_ % 2 == 0 else (True, False)):
-                    speculation(engine, on)
-                    before = SpeculationStats(**vars(engine.speculator.stats))
-                    rate, answers[on] = runner(engine, prompts, params)
-                    rates[on].append(rate)
-                    if on:
+                for mode in names[round_ % len(names):] + names[:round_ % len(names)]:  # rotate who goes first
+                    use(engine, modes[mode])
+                    before = SpeculationStats(**vars(modes[mode].stats)) if mode != "off" else None
+                    rate, answers[mode] = runner(engine, prompts, params)
+                    rates[mode].append(rate)
+                    if before is not None:
                         d = stats_delta(engine, before)
-                        for field in vars(totals):
-                            setattr(totals, field, getattr(totals, field) + getattr(d, field))
-            ratios = [b / a for a, b in zip(rates[False], rates[True])]
-            same = sum(a == b for a, b in zip(answers[False], answers[True]))
-            tokens = sum(len(a) for a in answers[True])
+                        for field in vars(d):
+                            setattr(totals[mode], field, getattr(totals[mode], field) + getattr(d, field))
             key = f"{kind}_{streams}"
-            out[key] = {"off_tok_s": round(statistics.median(rates[False]), 2),
-                        "on_tok_s": round(statistics.median(rates[True]), 2),
-                        "speedup": round(statistics.median(ratios), 3),
-                        "acceptance_rate": round(totals.acceptance_rate, 3),
-                        "tokens_per_verify": round(totals.mean_tokens_per_step, 2),
-                        "verified_share": round(totals.num_emitted / max(1, tokens * args.rounds), 3),
-                        "identical": f"{same}/{len(prompts)}"}
-            r = out[key]
-            print(f"{kind:4s} {streams} stream{'s' if streams > 1 else ' '}: off {r['off_tok_s']:6.2f} tok/s, "
-                  f"on {r['on_tok_s']:6.2f} tok/s -> {r['speedup']:.2f}x (rounds {[round(x, 2) for x in ratios]}); "
-                  f"acceptance {r['acceptance_rate']:.2f}, {r['tokens_per_verify']:.2f} tokens per verify step, "
-                  f"{r['verified_share'] * 100:.0f}% of tokens from verify steps; identical answers {r['identical']}")
-    cost = engine.speculator.cost
-    if 1 in cost.seconds:
-        curve = {rows: round(s / cost.seconds[1], 2) for rows, s in sorted(cost.seconds.items()) if rows <= 16}
-        out["step_time_vs_1_row"] = curve
-        print(f"step time by rows, over a 1-row step (the engine's own measurements): {curve}")
+            out[key] = {"off_tok_s": round(statistics.median(rates["off"]), 2)}
+            line = f"{kind:4s} {streams} stream{'s' if streams > 1 else ' '}: off {out[key]['off_tok_s']:6.2f} tok/s"
+            for mode in names[1:]:
+                ratios = [b / a for a, b in zip(rates["off"], rates[mode])]
+                same = sum(a == b for a, b in zip(answers["off"], answers[mode]))
+                tokens = sum(len(a) for a in answers[mode])
+                t = totals[mode]
+                r = {"tok_s": round(statistics.median(rates[mode]), 2), "speedup": round(statistics.median(ratios), 3),
+                     "acceptance_rate": round(t.acceptance_rate, 3), "tokens_per_verify": round(t.mean_tokens_per_step, 2),
+                     "verified_share": round(t.num_emitted / max(1, tokens * args.rounds), 3),
+                     "identical": f"{same}/{len(prompts)}"}
+                out[key][mode] = r
+                line += (f"; {mode} {r['tok_s']:6.2f} tok/s -> {r['speedup']:.2f}x (rounds {[round(x, 2) for x in ratios]}), "
+                         f"acceptance {r['acceptance_rate']:.2f}, {r['tokens_per_verify']:.2f} tokens per verify step, "
+                         f"{r['verified_share'] * 100:.0f}% of tokens from verify steps, identical {r['identical']}")
+            print(line)
+    for mode in names[1:]:
+        cost = modes[mode].cost
+        if 1 in cost.seconds:
+            curve = {rows: round(s / cost.seconds[1], 2) for rows, s in sorted(cost.seconds.items()) if rows <= 16}
+            out[f"step_time_vs_1_row_{mode}"] = curve
+            print(f"{mode}: step time by rows, over a 1-row step (the engine's own measurements): {curve}")
+    if draft and 1 in engine.speculator.cost.seconds and 1 in engine.speculator.draft_cost.seconds:
+        ratio = engine.speculator.draft_cost.seconds[1] / engine.speculator.cost.seconds[1]
+        out["draft_round_vs_target_step"] = round(ratio, 3)
+        print(f"a 1-row draft round costs {ratio:.2f} of a 1-row target step")
     engine.close()
     del engine
     gc.collect()
@@ -211,14 +229,18 @@ def main() -> None:
         else:
             models.append("large")
     for name in models:
-        if name == "large" and available_gb() < 10:
-            print(f"skipping the large model: {available_gb():.1f} GB available, 10 needed")
+        if name == "large" and available_gb() < 12:
+            print(f"skipping the large model: {available_gb():.1f} GB available, 12 needed")
             continue
-        results[name] = bench_model(name, args)
-    small = results.get(args.model, {})
+        results[name] = bench_model(name, args, draft=args.model if name == "large" else "")
+    small, large = results.get(args.model, {}), results.get("large", {})
     if isinstance(small, dict) and "rag_1" in small:  # issue 18's keys, for the default model
-        results["rag_lookup_speedup"] = small["rag_1"]["speedup"]
-        results["acceptance_rate"] = small["rag_1"]["acceptance_rate"]
+        results["rag_lookup_speedup"] = small["rag_1"]["lookup"]["speedup"]
+        results["acceptance_rate"] = small["rag_1"]["lookup"]["acceptance_rate"]
+    if isinstance(large, dict) and "rag_1" in large:  # the 1.5B drafted for by the 0.5B, against the 1.5B alone
+        results["draft_speedup"] = large["rag_1"]["draft"]["speedup"]
+        results["draft_speedup_free"] = large["free_1"]["draft"]["speedup"]
+        results["draft_acceptance_rate"] = large["rag_1"]["draft"]["acceptance_rate"]
     print(json.dumps(results))
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from assistant.engine.base import SamplingParams
 from assistant.engine.kv_cache import BlockManager
+from assistant.engine.sampling import accept_greedy, accept_sampled
 from assistant.engine.scheduler import Request, Scheduler, SchedulerConfig
 from assistant.engine.speculate import NgramIndex, Speculator, SpecState
 
@@ -128,21 +129,31 @@ def _next_token(ids):
 
 
 def _run_scheduler(scheduler, requests, max_steps=200):
-    """Engine steps with the scripted model; checks the KV invariants after every step."""
+    """Engine steps with the scripted model; checks the KV invariants after every step. -> the ids of
+    the requests that verified drafts."""
+    import torch
+
+    drafted = set()
     for r in requests:
         scheduler.add(r)
     for _ in range(max_steps):
         if not scheduler.has_work:
-            return
+            return drafted
         out = scheduler.schedule()
         assert out.num_batched_tokens <= scheduler.config.max_batched_tokens
         assert out.num_batched_tokens == sum(n for _, n in out.scheduled)
         for r, n in out.scheduled:
             if r.draft_ids:
-                assert n == 1 + len(r.draft_ids) and r.params.temperature == 0
+                assert n == 1 + len(r.draft_ids) and r.params.seed is None
+                drafted.add(r.request_id)
                 ids = r.all_ids
                 argmax = [_next_token(ids + r.draft_ids[:j]) for j in range(n)]
-                tokens = scheduler.speculator.verify(r, argmax)
+                if r.params.temperature == 0:
+                    tokens = accept_greedy(r.draft_ids, argmax)
+                else:  # the scripted model's distribution is a point mass at its next token
+                    tokens = accept_sampled(torch.nn.functional.one_hot(torch.tensor(argmax), 50).float(),
+                                            r.draft_ids)
+                scheduler.speculator.record(r, len(tokens) - 1)
                 assert scheduler.after_step(r, n, num_accepted=len(tokens) - 1)
                 # rolled back: the committed KV is all that is counted, no block past the new length
                 assert r.num_computed_tokens == r.num_tokens + len(tokens) - 1
@@ -172,13 +183,15 @@ def test_scheduler_verifies_drafts_and_rolls_back_rejected_ones():
     scheduler = Scheduler(SchedulerConfig(max_batched_tokens=64), blocks, speculator)
     prompts = [[(i * 7 + j) % 50 for j in range(9 + i)] for i in range(3)]
     requests = [Request(list(p), SamplingParams(max_tokens=40), max_len=1000) for p in prompts]
-    requests.append(Request(list(prompts[0]), SamplingParams(max_tokens=40, temperature=1.0), max_len=1000))
-    _run_scheduler(scheduler, requests)
-    for r, p in zip(requests[:3], prompts):
+    requests.append(Request(list(prompts[0]), SamplingParams(max_tokens=40, temperature=1.0, seed=7), max_len=1000))
+    requests.append(Request(list(prompts[1]), SamplingParams(max_tokens=40, temperature=1.0), max_len=1000))
+    drafted = _run_scheduler(scheduler, requests)
+    for r, p in zip(requests[:3] + requests[4:], prompts + prompts[1:2]):
         assert r.output_ids == _plain(p, 40)
     stats = speculator.stats
     assert stats.num_accepted > 0 and stats.num_drafted > stats.num_accepted  # accepted and rejected drafts
-    assert requests[3].spec is None  # the sampled request never drafted
+    assert requests[3].spec is None  # the seeded sampled request never drafted (its answer must be reproducible)
+    assert requests[4].request_id in drafted  # the unseeded one verified drafts (by the sampling rule)
     assert blocks.num_free_blocks == blocks.num_blocks
     # only committed tokens reached the prefix cache: every cached block is a block of some final sequence
     finals = [r.all_ids for r in requests[:3]]
@@ -222,6 +235,9 @@ class CharTokenizer:
     def convert_tokens_to_ids(self, token):
         return None
 
+    def get_vocab(self):
+        return {f"<{i}>": i for i in range(256)}
+
 
 def _tiny(init_range):
     """initializer_range 0.1 gives a 'sticky' model (it repeats itself in runs, so drafts are mostly
@@ -250,8 +266,13 @@ class FixedCost:
     """A step-cost model that ignores the clock (each extra row costs a fifth of a step), so which
     drafts are verified does not depend on how busy the test machine is; the real one is tested above."""
 
+    measured = True
+
+    def __init__(self, scale=1.0):
+        self.scale = scale
+
     def estimate(self, num_rows):
-        return 1.0 + 0.2 * (num_rows - 1)
+        return self.scale * (1.0 + 0.2 * (num_rows - 1))
 
     def observe(self, num_rows, seconds):
         pass

@@ -26,7 +26,7 @@ def create_engine(config: AssistantConfig) -> Engine:
     import logging
 
     from assistant.engine.hf_loop import HFLoopEngine
-    from assistant.engine.loading import load_model
+    from assistant.engine.loading import load_draft_model, load_model
     from assistant.engine.local import LocalEngine
     from assistant.engine.model import unsupported_reason
 
@@ -35,4 +35,4 @@ def create_engine(config: AssistantConfig) -> Engine:
     if reason:
         logging.getLogger(__name__).warning("Serving one request at a time with transformers: %s.", reason)
         return HFLoopEngine(loaded)
-    return LocalEngine(loaded, config.engine)
+    return LocalEngine(loaded, config.engine, load_draft_model(config))

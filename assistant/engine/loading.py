@@ -11,7 +11,7 @@ bigger machines, leaving a core for HTTP, tokenisation and the rest of the syste
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -105,6 +105,23 @@ def load_model(config: AssistantConfig) -> LoadedModel:
         window = min(window, config.engine.max_context_tokens)
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, name=config.engine.model,
                        context_window=min(window, 32768))
+
+
+def load_draft_model(config: AssistantConfig) -> LoadedModel | None:
+    """engine.draft_model (draft.py), loaded like engine.model; None when there is none or speculation
+    is off."""
+    e = config.engine
+    if not e.draft_model or e.speculation == "off":
+        return None
+    return load_model(replace(config, engine=replace(e, model=e.draft_model)))
+
+
+def check_same_vocabulary(tokenizer: Any, draft_tokenizer: Any, draft_name: str) -> None:
+    """A draft model proposes token ids: they must mean the same text to the model that checks them."""
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ModelError(f"engine.draft_model {draft_name!r} has another tokenizer than the model it drafts for: "
+                         "pick a smaller model of the same family (qwen2.5-coder-0.5b drafts for the Qwen2.5 "
+                         "models), or set engine.draft_model = \"\" to speculate by prompt lookup.")
 
 
 def eos_token_ids(hf_model: Any, tokenizer: Any) -> set[int]:

@@ -6,8 +6,11 @@ thread owns the model, the scheduler and the KV cache and runs steps in a loop:
     schedule (scheduler.py) -> one ragged forward over every scheduled token (model.py)
       -> sample per request -> detokenise + stop strings -> deltas to each request's queue
 
-Greedy requests speculate (engine.speculation = "prompt_lookup", speculate.py): a step may verify
-drafts copied from their own text, and then yields several tokens at once, in one delta.
+Requests speculate (engine.speculation = "prompt_lookup", speculate.py; or a small model of the same
+tokenizer drafts, engine.draft_model, draft.py): a step may verify drafts, and then yields several
+tokens at once, in one delta. Greedy rows keep the drafts the model's argmax agrees with; sampled rows
+without a seed keep them by the speculative-sampling rule (sampling.accept_sampled), which leaves the
+distribution unchanged; seeded rows never speculate, so a seed gives the same answer every time.
 
 Cancelling (the caller's event, or closing the iterator when a client goes away) is noticed at the
 start of the next step, and the request's KV blocks are released in that same step.
@@ -54,12 +57,20 @@ from assistant.engine.base import (
 )
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
 from assistant.engine.kv_cache import BlockManager, KVCache
-from assistant.engine.loading import ChatTemplateEncoding, LoadedModel, eos_token_ids, load_model
+from assistant.engine.draft import DraftSpeculator
+from assistant.engine.loading import (
+    ChatTemplateEncoding,
+    LoadedModel,
+    check_same_vocabulary,
+    eos_token_ids,
+    load_draft_model,
+    load_model,
+)
 from assistant.engine.model import SeqBatch, Transformer
-from assistant.engine.sampling import sample
+from assistant.engine.sampling import accept_greedy, accept_sampled, logits_to_probs, sample
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from assistant.engine.speculate import Speculator
-from assistant.errors import EngineBusy, EngineError
+from assistant.errors import EngineBusy, EngineError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +136,13 @@ class _TokenStream:
 
 
 class LocalEngine(ChatTemplateEncoding, Engine):
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, draft: LoadedModel | None = None) -> None:
         import torch
 
         config = config or EngineConfig()
         self.tokenizer, self.device, self.name = loaded.tokenizer, loaded.device, loaded.name
         hf = loaded.model
+        self._torch = torch
         self.quantize = resolve_quantize(config.quantize, loaded.device)
         self.model = Transformer.from_hf(hf, quantize=self.quantize)
         self.eos_ids = eos_token_ids(hf, self.tokenizer)
@@ -141,23 +153,41 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         self.kv = KVCache(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim,
                           kv_dtype, loaded.device, compute_dtype=self.model.dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, enable_prefix_cache=config.prefix_cache)
-        self.speculator = Speculator() if config.speculation == "prompt_lookup" else None
+        self.context_window = min(loaded.context_window, num_blocks * config.block_size)
+        self.speculator = self._speculator(config, draft, num_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_batched_tokens,
                                                    config.max_prefill_chunk, config.max_waiting), self.blocks,
                                    self.speculator)
         self.scheduler.prefill_chunk = min(INITIAL_PREFILL_CHUNK, config.max_prefill_chunk)  # until measured
-        self.context_window = min(loaded.context_window, num_blocks * config.block_size)
         self._decode_step_s = 0.0  # EMA of a step without prefill tokens
         self._prefill_token_s = 0.0  # EMA of the extra time per prefill token in a mixed step
         self._cond = threading.Condition()
         self._closed = False
-        self._torch = torch
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_config(cls, config: AssistantConfig) -> "LocalEngine":
-        return cls(load_model(config), config.engine)
+        return cls(load_model(config), config.engine, load_draft_model(config))
+
+    def _speculator(self, config: EngineConfig, draft: LoadedModel | None, num_blocks: int) -> Any:
+        """None (engine.speculation = "off"), the draft model's (draft.py) or prompt lookup (speculate.py)."""
+        if config.speculation == "off":
+            return None
+        if draft is None:
+            return Speculator()
+        check_same_vocabulary(self.tokenizer, draft.tokenizer, draft.name)
+        model = Transformer.from_hf(draft.model, quantize=resolve_quantize(config.quantize, draft.device))
+        args = model.args
+        if min(args.max_position, 32768) < self.context_window:
+            raise ModelError(f"engine.draft_model {draft.name!r} reads {args.max_position} tokens of context, fewer "
+                             f"than the {self.context_window} of the model it drafts for: set "
+                             f"engine.max_context_tokens = {args.max_position} or pick another draft model.")
+        kv_dtype = model.dtype if config.kv_dtype == "auto" else getattr(self._torch, config.kv_dtype)
+        kv = KVCache(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim, kv_dtype,
+                     draft.device, compute_dtype=model.dtype)  # as many tokens as the target's cache holds
+        blocks = BlockManager(num_blocks, config.block_size, enable_prefix_cache=config.prefix_cache)
+        return DraftSpeculator(model, kv, blocks, size_ratio=model.decode_bytes() / self.model.decode_bytes())
 
     def stats(self) -> dict[str, Any]:
         s = self.blocks.stats
@@ -370,7 +400,12 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                 first, row = row, row + 1 + len(r.draft_ids)
                 try:
                     if r.draft_ids:  # speculate.py: the accepted drafts and the model's own next token
-                        tokens = self.speculator.verify(r, greedy[first:row])
+                        if r.params.temperature == 0:
+                            tokens = accept_greedy(r.draft_ids, greedy[first:row])
+                        else:
+                            tokens = accept_sampled(logits_to_probs(logits[first:row], r.params), r.draft_ids,
+                                                    r.state.generator)
+                        self.speculator.record(r, len(tokens) - 1)
                         if self.scheduler.after_step(r, n, num_accepted=len(tokens) - 1):
                             ready.append((first, r, tokens))
                     elif self.scheduler.after_step(r, n):

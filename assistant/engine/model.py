@@ -151,6 +151,14 @@ class Transformer:
         param = next(hf_model.parameters())
         return cls(args, dict(hf_model.state_dict()), quantize=quantize, dtype=param.dtype, device=param.device)
 
+    def decode_bytes(self) -> int:
+        """Weight bytes one greedy decode step reads: every linear, the lm_head through its 4-bit screen
+        where there is one (the candidates' rows and one embedding row are noise). What bounds a decode
+        step on a CPU, so also what a draft model costs beside its target (draft.py)."""
+        layers = [layer[n] for layer in self.layers for n in LINEARS]
+        head = self.lm_head.screen[0] if self.lm_head.screen is not None else self.lm_head.weight
+        return sum(t.numel() * t.element_size() for t in [head] + [lin.weight for lin in layers])
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: Sequence[SeqBatch],
                 kv: Any, greedy: Sequence[bool] | None = None) -> torch.Tensor:
         """tokens, positions (T,) -> logits (L, V) at the last `num_logits` new tokens of each sequence,

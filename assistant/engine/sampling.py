@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from assistant.engine.base import SamplingParams
 
@@ -33,3 +33,33 @@ def sample(logits: Any, params: SamplingParams, generator: Any = None) -> Any:
         return logits.argmax(-1)
     probs = logits_to_probs(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def accept_greedy(drafts: Sequence[int], argmax: Sequence[int]) -> list[int]:
+    """What a greedy verify step yields: the drafts that equal the argmax of the row before them, then
+    that row's argmax (the model's own next token). argmax: (1 + k,) over the step's rows."""
+    m = 0
+    while m < len(drafts) and drafts[m] == argmax[m]:
+        m += 1
+    return [*drafts[:m], int(argmax[m])]
+
+
+def accept_sampled(probs: Any, drafts: Sequence[int], generator: Any = None) -> list[int]:
+    """What a sampled verify step yields (speculative sampling, Leviathan et al. 2023; Chen et al. 2023).
+
+    probs: (1 + k, V), the target's distribution (after temperature, top-k, top-p) at the row before
+    each draft and after the last. The drafters propose one token with certainty (q = a point mass),
+    so the rule is: accept draft d at row i with probability p_i(d); at the first rejection draw the
+    token from max(p_i - q, 0) normalised, i.e. p_i without d; when all k are accepted draw one more
+    from p_k. Every token yielded is then distributed exactly as sampling one token at a time."""
+    import torch
+
+    device = probs.device
+    for i, d in enumerate(drafts):
+        u = torch.rand(1, generator=generator, device=device).item()
+        if u < probs[i, d].item():
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0.0
+        return [*drafts[:i], int(torch.multinomial(residual / residual.sum(), 1, generator=generator).item())]
+    return [*drafts, int(torch.multinomial(probs[len(drafts)], 1, generator=generator).item())]

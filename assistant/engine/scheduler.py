@@ -95,6 +95,12 @@ class SchedulerConfig:
     max_waiting: int = 64  # bounded waiting queue
 
 
+def speculates(params: SamplingParams) -> bool:
+    """Greedy rows, and sampled rows without a seed: a seeded answer must come out the same every
+    time, and which drafts a step verifies depends on measured step times (speculate.py)."""
+    return params.temperature == 0 or params.seed is None
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, speculator: Any = None) -> None:
         self.config, self.blocks, self.speculator = config, blocks, speculator
@@ -172,7 +178,7 @@ class Scheduler:
         candidates, where = [], {}
         for i, (r, n) in enumerate(scheduled):
             r.draft_ids = []
-            if n == 1 and r.num_computed_tokens + 1 == r.num_tokens and r.output_ids and r.params.temperature == 0:
+            if n == 1 and r.num_computed_tokens + 1 == r.num_tokens and r.output_ids and speculates(r.params):
                 limit = min(r.params.max_tokens - len(r.output_ids) - 1, r.max_len - r.num_tokens)
                 if limit > 0:
                     candidates.append((r, limit))
@@ -200,6 +206,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.free_blocks(request.block_table)
+        if self.speculator is not None:
+            self.speculator.release(request)
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
         request.status = RequestStatus.WAITING
@@ -213,6 +221,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free_blocks(request.block_table)
+        if self.speculator is not None:
+            self.speculator.release(request)
 
     def after_step(self, request: Request, num_new: int, num_accepted: int = 0) -> bool:
         """Account for a computed step; True when the request should sample its next token now.

@@ -16,7 +16,10 @@ NOTE — how it works and how it decides (engine.speculation = "prompt_lookup", 
   rejected drafts' KV is rolled back: the sequence's computed length only counts committed tokens,
   blocks past its new length are freed at once, and only full blocks of committed tokens are ever
   registered in the prefix cache (a rejected token's slot is rewritten before its block can fill).
-  Sampled rows (temperature > 0) never speculate.
+  Sampled rows (temperature > 0) without a seed speculate too: they keep drafts by the rule of
+  `sampling.accept_sampled`, which yields tokens distributed exactly as sampling one at a time; a
+  seeded row never does (which drafts a step verifies depends on measured times, and a seed must
+  give the same answer every time).
 
   Whether to speculate, and how far. A draft costs a row in the step, and a step's time grows with its
   rows (a lot on CPUs where a multi-row step costs far more than a one-row step: bench/speculation.py
@@ -136,6 +139,12 @@ class SpeculationStats:
     num_accepted: int = 0  # of those, accepted
     num_emitted: int = 0  # tokens those steps produced (accepted + the model's own next token)
 
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_verify_steps += 1
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self.num_emitted += num_accepted + 1
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
@@ -182,6 +191,11 @@ class StepCost:
         if len(below) > 1:
             slope = max(slope, (t[hi] - t[below[-2]]) / (hi - below[-2]))
         return t[hi] + slope * (num_rows - hi)
+
+    @property
+    def measured(self) -> bool:
+        """Some row count has a fresh measurement (estimates are in seconds, not 1-row-step units)."""
+        return any(self._fresh(r) for r in self.seconds)
 
     def _fresh(self, num_rows: int) -> bool:
         return self.num_steps - self.updated.get(num_rows, -STALE_STEPS - 1) <= STALE_STEPS
@@ -237,21 +251,16 @@ class Speculator:
                 state.shadow = (len(state.index.ids), drafts, n)
         return out
 
-    def verify(self, request: Any, argmax: Sequence[int]) -> list[int]:
-        """The tokens a verify step yields: the drafts (request.draft_ids) that equal the model's argmax
-        at the row before them, then the model's own next token. argmax: (1 + k,) over its rows."""
+    def record(self, request: Any, num_accepted: int) -> None:
+        """A verify step kept the first `num_accepted` of the request's drafts (request.draft_ids; the
+        engine decides which with `sampling.accept_drafts`)."""
         drafts, state = request.draft_ids, request.spec
-        m = 0
-        while m < len(drafts) and drafts[m] == argmax[m]:
-            m += 1
-        state.record(state.order, m, len(drafts))
-        state.k_cap = min(self.k_max, state.k_cap + 2) if m == len(drafts) else max(1, state.k_cap - 1)
-        s = self.stats
-        s.num_verify_steps += 1
-        s.num_drafted += len(drafts)
-        s.num_accepted += m
-        s.num_emitted += m + 1
-        return [*drafts[:m], int(argmax[m])]
+        state.record(state.order, num_accepted, len(drafts))
+        state.k_cap = min(self.k_max, state.k_cap + 2) if num_accepted == len(drafts) else max(1, state.k_cap - 1)
+        self.stats.add(len(drafts), num_accepted)
+
+    def release(self, request: Any) -> None:
+        """The sequence finished or was preempted (its n-gram index stays valid: nothing to free)."""
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
         """The time of a step without prefill tokens (feeds the cost model)."""
