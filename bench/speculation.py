@@ -191,6 +191,11 @@ def bench_model(name: str, args: argparse.Namespace, draft: str = "") -> dict[st
             curve = {rows: round(s / cost.seconds[1], 2) for rows, s in sorted(cost.seconds.items()) if rows <= 16}
             out[f"step_time_vs_1_row_{mode}"] = curve
             print(f"{mode}: step time by rows, over a 1-row step (the engine's own measurements): {curve}")
+    if draft:  # the hybrid's split: prompt lookup where the text repeats, the draft model elsewhere
+        out["draft_sources"] = {source: {"verify_steps": st.num_verify_steps, "acceptance_rate": round(st.acceptance_rate, 3),
+                                         "tokens_per_verify": round(st.mean_tokens_per_step, 2)}
+                                for source, st in engine.speculator.stats_by_source.items()}
+        print(f"draft mode, by source of the drafts: {out['draft_sources']}")
     if draft and 1 in engine.speculator.cost.seconds and 1 in engine.speculator.draft_cost.seconds:
         ratio = engine.speculator.draft_cost.seconds[1] / engine.speculator.cost.seconds[1]
         out["draft_round_vs_target_step"] = round(ratio, 3)

@@ -20,6 +20,17 @@ NOTE — how it works and how it decides (engine.draft_model; speculate.py has t
   prompt lookup's drafts (speculate.py): argmax equality for greedy rows, and for sampled rows the
   accept/reject rule of `sampling.accept_drafts`, which keeps the target's distribution exactly.
 
+  Prompt lookup or the draft model. Copying costs no draft round: on answers that quote their
+  passages the 1.5B ran 3.35x faster with lookup and 1.74x with the draft model, which is right as
+  often but pays K draft rounds per step. So a sequence whose tail matches its earlier text
+  (speculate.py's n-gram index) gets both offers, each as the step's expected tokens per second:
+  lookup's best prefix of its proposal at lookup's measured acceptance for that match length, and
+  the draft model's best K below. The better one drafts; a lookup proposal not taken is scored
+  against what decoding produces (its "shadow"), so lookup's acceptance stays measured. Measured (bench/speculation.py --large): at two
+  streams the draft model lost (0.83x free-form) although its cost model said it paid, so it only
+  drafts while at most DRAFT_MAX_SEQS sequences decode; with more, the step is planned by prompt
+  lookup alone (speculate.Speculator.plan, its own choice of drafts by worth and measured cost).
+
   Whether to speculate, and how far. Unlike prompt lookup, drafts cost a draft-model step per
   round, on top of the verify step's extra rows. Per sequence, decayed counts of accepted drafts
   and of first rejections give alpha (the chance that a draft is right given the one before was),
@@ -42,9 +53,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from assistant.engine.speculate import DECAY, SpeculationStats, StepCost
+from assistant.engine.speculate import DECAY, K_MAX as LOOKUP_K_MAX, SpeculationStats, Speculator, SpecState, StepCost
 
+LOOKUP, DRAFT = "lookup", "draft"  # where a step's drafts came from
 K_MAX_DRAFT = 6  # drafts per sequence per step
+# the draft model drafts only while at most this many sequences decode. Measured (bench/speculation.py
+# --large, 2 vCPU): 1 stream 1.27x free-form / 1.82x passages, 2 streams 0.83x / 1.20x with the cost model
+# alone deciding; two streams already fill the verify step's cheap rows
+DRAFT_MAX_SEQS = 1
 K_INIT = 3
 CATCHUP_MAX = 256  # tokens the draft computes for one lagging sequence in one step
 MAX_MEASURED_ROWS = 32  # draft rounds with more rows (catch-up) are not fed to the cost model
@@ -65,6 +81,8 @@ class DraftSeq:
     accepted: float = DRAFT_PRIOR[0]
     rejected: float = DRAFT_PRIOR[1]
     started: bool = False  # the prefix cache was consulted
+    lookup: SpecState = field(default_factory=SpecState)  # prompt lookup's state for the same sequence
+    source: str = ""  # who made the drafts in flight: LOOKUP or DRAFT
 
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
@@ -94,32 +112,85 @@ class DraftSpeculator:
 
         self.model, self.kv, self.blocks = model, kv, blocks
         self.size_ratio, self.k_max = size_ratio, k_max
-        self.cost = StepCost()  # target steps by rows (the engine feeds it)
+        self.lookup = Speculator(state_of=lambda request: request.spec.lookup)  # plans batches (module NOTE)
         self.draft_cost = StepCost()  # draft rounds by rows (measured here)
         self.stats = SpeculationStats()
+        self.stats_by_source = {LOOKUP: SpeculationStats(), DRAFT: SpeculationStats()}
         self.num_draft_rounds = 0
         self._torch = torch
+
+    @property
+    def cost(self) -> StepCost:
+        """The target's step time by rows (the engine feeds it), shared with prompt lookup's plan."""
+        return self.lookup.cost
+
+    @cost.setter
+    def cost(self, value: StepCost) -> None:
+        self.lookup.cost = value
 
     # -- the scheduler's side ---------------------------------------------------------------------
     def plan(self, candidates: Sequence[tuple[Any, int]], num_rows: int, num_sampling: int,
              budget: int) -> list[tuple[Any, list[int]]]:
-        """Drafts for this step (same contract as speculate.Speculator.plan)."""
-        ready, lagging = [], []
-        for request, limit in candidates:
-            state = request.spec = request.spec or DraftSeq()
-            self._sync(request, state)
+        """Drafts for this step (same contract as speculate.Speculator.plan; module NOTE)."""
+        for request, _ in candidates:
+            request.spec = request.spec or DraftSeq()
+            self._sync(request, request.spec)
+        if num_sampling > DRAFT_MAX_SEQS:  # a batch: prompt lookup alone, with its own choice of drafts
+            out = self.lookup.plan(candidates, num_rows, num_sampling, budget)
+            for request, _ in out:
+                request.spec.source = LOOKUP
+            return out
+        out: list[tuple[Any, list[int]]] = []
+        ready, lagging, lookups = [], [], {}
+        for request, limit in candidates:  # at most DRAFT_MAX_SEQS of them
+            state = request.spec
+            look = state.lookup
+            look.index.extend(request.prompt_ids, request.output_ids)
+            look.score_shadow()
+            drafts, n = look.index.propose(min(limit, look.k_cap, LOOKUP_K_MAX, budget))
+            if drafts:
+                lookups[id(request)] = (drafts, n)
             lag = request.num_tokens - len(state.ids)
             (lagging if lag > CATCHUP_MAX else ready).append((request, limit, state))
         if lagging:
             self._catch_up([(r, s) for r, _, s in lagging])
-        k, ks = self._choose(ready, num_rows, num_sampling, budget)
+        k, ks, draft_rate = self._choose(ready, num_rows, num_sampling, budget)
+        by_lookup = {}
+        for request, _ in candidates:  # lookup instead, where its drafts promise more tokens per second
+            if id(request) in lookups:
+                drafts, n = lookups[id(request)]
+                j, rate = self._lookup_choice(request.spec.lookup.alpha(n), len(drafts), num_rows, num_sampling)
+                if j and rate >= draft_rate:
+                    by_lookup[id(request)] = drafts[:j]
+        for request, limit in candidates:
+            state, proposal = request.spec, lookups.get(id(request))
+            if id(request) in by_lookup:
+                state.lookup.order, state.source = proposal[1], LOOKUP
+                out.append((request, by_lookup[id(request)]))
+            elif proposal and state.lookup.shadow is None:  # keep measuring what lookup would have got
+                state.lookup.shadow = (len(state.lookup.index.ids), proposal[0], proposal[1])
+        if by_lookup:  # (with one sequence: the draft model is out of this step)
+            ready = [(r, limit, s) for r, limit, s in ready if id(r) not in by_lookup]
+            ks = [0] * len(ready)
         for (_, _, state), n in zip(ready, ks):
             if not n:
                 state.fade()
-        if k == 0:
-            return []
-        drafts = self._draft([(r, s, n) for (r, _, s), n in zip(ready, ks) if n])
-        return [(r, d) for r, d in drafts if d]
+        if any(ks):
+            for r, d in self._draft([(r, s, n) for (r, _, s), n in zip(ready, ks) if n]):
+                if d:
+                    r.spec.source = DRAFT
+                    out.append((r, d))
+        return out
+
+    def _lookup_choice(self, alpha: float, num_drafts: int, num_rows: int, num_sampling: int) -> tuple[int, float]:
+        """How many of a lookup proposal's drafts to verify (0: none pays), and the step's tokens per
+        second with them."""
+        best, best_rate = 0, num_sampling / self.cost.estimate(num_rows)
+        for j in range(1, num_drafts + 1):
+            rate = (num_sampling + expected_tokens(alpha, j)) / self.cost.estimate(num_rows + j)
+            if rate > best_rate:
+                best, best_rate = j, rate
+        return best, best_rate
 
     def release(self, request: Any) -> None:
         """The sequence finished or was preempted: free its draft KV."""
@@ -132,9 +203,13 @@ class DraftSpeculator:
     def record(self, request: Any, num_accepted: int) -> None:
         """A verify step kept `num_accepted` of the request's drafts (request.draft_ids)."""
         num_drafted, state = len(request.draft_ids), request.spec
-        state.record(num_accepted, num_drafted)
-        state.k_cap = min(self.k_max, state.k_cap + 2) if num_accepted == num_drafted else max(1, state.k_cap - 1)
+        if state.source == LOOKUP:
+            state.lookup.settle(num_accepted, num_drafted, LOOKUP_K_MAX)
+        else:
+            state.record(num_accepted, num_drafted)
+            state.k_cap = min(self.k_max, state.k_cap + 2) if num_accepted == num_drafted else max(1, state.k_cap - 1)
         self.stats.add(num_drafted, num_accepted)
+        self.stats_by_source[state.source].add(num_drafted, num_accepted)
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
         self.cost.observe(num_rows, seconds)
@@ -160,13 +235,14 @@ class DraftSpeculator:
         state.num_registered = self.blocks.register_full_blocks(state.block_table, ids, len(ids), state.num_registered)
 
     def _choose(self, ready: list[tuple[Any, int, DraftSeq]], num_rows: int, num_sampling: int,
-                budget: int) -> tuple[int, list[int]]:
-        """The K of the module NOTE, and each sequence's drafts under it."""
+                budget: int) -> tuple[int, list[int], float]:
+        """The K of the module NOTE, each sequence's drafts under it, and the step's expected tokens
+        per second then (K = 0: plain decoding's)."""
         none = [0] * len(ready)
-        if not ready or budget <= 0:
-            return 0, none
         best, best_ks = 0, none
         best_rate = num_sampling / self.cost.estimate(num_rows)
+        if not ready or budget <= 0:
+            return 0, none, best_rate
         for k in range(1, self.k_max + 1):
             ks = [min(k, state.k_cap, limit) for _, limit, state in ready]
             if sum(ks) > budget:
@@ -179,7 +255,7 @@ class DraftSpeculator:
                     seconds += self._round_seconds(rows)
             if gain / seconds > best_rate:
                 best, best_ks, best_rate = k, ks, gain / seconds
-        return best, best_ks
+        return best, best_ks, best_rate
 
     def _round_seconds(self, rows: int) -> float:
         if self.draft_cost.measured:

@@ -65,7 +65,7 @@ capability 0) are what would let k grow. Those were the first kernels. With the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 K_MAX = 7  # drafts per sequence per step: 1 + 7 rows and their residual rows, half the fused linear's 32
 K_INIT = 3  # cap on a sequence's first drafts
@@ -130,6 +130,24 @@ class SpecState:
     def record(self, n: int, num_accepted: int, num_drafted: int) -> None:
         self.accepted[n] = DECAY * self.accepted[n] + num_accepted
         self.rejected[n] = DECAY * self.rejected[n] + (num_accepted < num_drafted)
+
+    def settle(self, num_accepted: int, num_drafted: int, k_max: int) -> None:
+        """A verify step of this sequence's drafts (match length `order`) kept `num_accepted`."""
+        self.record(self.order, num_accepted, num_drafted)
+        self.k_cap = min(k_max, self.k_cap + 2) if num_accepted == num_drafted else max(1, self.k_cap - 1)
+
+    def score_shadow(self) -> None:
+        """Score an unverified proposal against the tokens decoding produced since (module NOTE)."""
+        if self.shadow is None:
+            return
+        position, drafts, n = self.shadow
+        actual = self.index.ids[position:position + len(drafts)]
+        m = 0
+        while m < len(actual) and actual[m] == drafts[m]:
+            m += 1
+        if m < len(actual) or len(actual) == len(drafts):  # a mismatch seen, or every draft confirmed
+            self.record(n, m, len(drafts))
+            self.shadow = None
 
 
 @dataclass
@@ -205,11 +223,17 @@ def prior_cost(num_rows: int) -> float:
     return 1.0 + PRIOR_ROW_COST * (num_rows - 1)
 
 
+def own_state(request: Any) -> SpecState:
+    request.spec = request.spec or SpecState()
+    return request.spec
+
+
 class Speculator:
     """Prompt lookup for the scheduler (`plan`) and the engine (`verify`, `observe_step`)."""
 
-    def __init__(self, k_max: int = K_MAX) -> None:
+    def __init__(self, k_max: int = K_MAX, state_of: Callable[[Any], SpecState] | None = None) -> None:
         self.k_max = k_max
+        self.state_of = state_of or own_state  # where a request keeps its SpecState (draft.py nests it)
         self.cost = StepCost()
         self.stats = SpeculationStats()
 
@@ -221,9 +245,9 @@ class Speculator:
         offers: list[tuple[float, int, int]] = []  # (worth, candidate, i-th draft)
         proposals: list[tuple[Any, list[int], int]] = []
         for c, (request, limit) in enumerate(candidates):
-            state = request.spec = request.spec or SpecState()
+            state = self.state_of(request)
             state.index.extend(request.prompt_ids, request.output_ids)
-            self._score_shadow(state)
+            state.score_shadow()
             drafts, n = state.index.propose(min(limit, state.k_cap, self.k_max))
             proposals.append((request, drafts, n))
             worth = 1.0
@@ -243,7 +267,7 @@ class Speculator:
             counts[c] += 1  # a sequence's drafts are worth less and less: its best ones form a prefix
         out = []
         for (request, drafts, n), k in zip(proposals, counts):
-            state = request.spec
+            state = self.state_of(request)
             if k:
                 state.order = n
                 out.append((request, drafts[:k]))
@@ -254,10 +278,8 @@ class Speculator:
     def record(self, request: Any, num_accepted: int) -> None:
         """A verify step kept the first `num_accepted` of the request's drafts (request.draft_ids; the
         engine decides which with `sampling.accept_drafts`)."""
-        drafts, state = request.draft_ids, request.spec
-        state.record(state.order, num_accepted, len(drafts))
-        state.k_cap = min(self.k_max, state.k_cap + 2) if num_accepted == len(drafts) else max(1, state.k_cap - 1)
-        self.stats.add(len(drafts), num_accepted)
+        self.state_of(request).settle(num_accepted, len(request.draft_ids), self.k_max)
+        self.stats.add(len(request.draft_ids), num_accepted)
 
     def release(self, request: Any) -> None:
         """The sequence finished or was preempted (its n-gram index stays valid: nothing to free)."""
@@ -265,17 +287,3 @@ class Speculator:
     def observe_step(self, num_rows: int, seconds: float) -> None:
         """The time of a step without prefill tokens (feeds the cost model)."""
         self.cost.observe(num_rows, seconds)
-
-    @staticmethod
-    def _score_shadow(state: SpecState) -> None:
-        """Score an unverified proposal against the tokens decoding produced since (module NOTE)."""
-        if state.shadow is None:
-            return
-        position, drafts, n = state.shadow
-        actual = state.index.ids[position:position + len(drafts)]
-        m = 0
-        while m < len(actual) and actual[m] == drafts[m]:
-            m += 1
-        if m < len(actual) or len(actual) == len(drafts):  # a mismatch seen, or every draft confirmed
-            state.record(n, m, len(drafts))
-            state.shadow = None
