@@ -18,7 +18,7 @@ NOTE — how it works and how it decides (engine.draft_model; speculate.py has t
   draft 1; round i feeds draft i and takes draft i + 1. Drafts are the draft model's greedy choice,
   i.e. a one-point proposal distribution, so the target verifies them with the same rules as
   prompt lookup's drafts (speculate.py): argmax equality for greedy rows, and for sampled rows the
-  accept/reject rule of `sampling.accept_drafts`, which keeps the target's distribution exactly.
+  accept/reject rule of `sampling.accept_sampled`, which keeps the target's distribution exactly.
 
   Prompt lookup or the draft model. Copying costs no draft round: on answers that quote their
   passages the 1.5B ran 3.35x faster with lookup and 1.74x with the draft model, which is right as
@@ -26,10 +26,11 @@ NOTE — how it works and how it decides (engine.draft_model; speculate.py has t
   (speculate.py's n-gram index) gets both offers, each as the step's expected tokens per second:
   lookup's best prefix of its proposal at lookup's measured acceptance for that match length, and
   the draft model's best K below. The better one drafts; a lookup proposal not taken is scored
-  against what decoding produces (its "shadow"), so lookup's acceptance stays measured. Measured (bench/speculation.py --large): at two
-  streams the draft model lost (0.83x free-form) although its cost model said it paid, so it only
-  drafts while at most DRAFT_MAX_SEQS sequences decode; with more, the step is planned by prompt
-  lookup alone (speculate.Speculator.plan, its own choice of drafts by worth and measured cost).
+  against what decoding produces (its "shadow"), so lookup's acceptance stays measured. Both
+  together (bench/speculation.py --large, 1 stream): passages 2.68x, free-form 1.37x (lookup alone
+  1.15x). At two streams the draft model lost (0.83x free-form) although its cost model said it
+  paid, so it only drafts while at most DRAFT_MAX_SEQS sequences decode; with more, the step is
+  planned by prompt lookup alone (speculate.Speculator.plan: its own choice by worth and cost).
 
   Whether to speculate, and how far. Unlike prompt lookup, drafts cost a draft-model step per
   round, on top of the verify step's extra rows. Per sequence, decayed counts of accepted drafts
