@@ -320,6 +320,18 @@ def _run(engine, prompt, params):
     return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas
 
 
+def read_together(streams):
+    """Read every token stream in its own thread (they decode in one batch); -> their token ids."""
+    results = {}
+    threads = [threading.Thread(target=lambda i=i, s=s: results.__setitem__(i, [t for d in s for t in d.token_ids]))
+               for i, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return [results.get(i) for i in range(len(streams))]
+
+
 def _prompts(n, seed=1):
     rng = random.Random(seed)
     out = []
@@ -359,13 +371,7 @@ def test_concurrent_sequences_speculate_in_one_batch(pair):
     try:
         sampled = on.generate(prompts[0], SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True))
         streams = [on.generate(p, params) for p in prompts]  # queued before any is read: one batch
-        results = {}
-        threads = [threading.Thread(target=lambda i=i, s=s: results.__setitem__(i, [t for d in s for t in d.token_ids]))
-                   for i, s in enumerate([*streams, sampled])]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        results = read_together([*streams, sampled])
     finally:
         on.scheduler.schedule = schedule
     assert [results[i] for i in range(len(prompts))] == plain
