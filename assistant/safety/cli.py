@@ -1,6 +1,7 @@
 """`assistant safety ...` and `assistant eval safety FILE.jsonl`.
 
-  assistant safety train [--data FILE] [--seed 0]   retrain the head (fixed seed) into assistant/safety/models
+  assistant safety train [--data FILE] [--seed 0]   retrain the heads and the tuned classifier (fixed seeds)
+                                                     into assistant/safety/models [--only heads|tuned]
   assistant safety check TEXT [--where input]        the verdict and every detector's scores
   assistant safety policy CONVERSATION [NAME]        show or choose a conversation's policy ("default" resets)
   assistant safety audit [--conversation ID]         the newest audit rows
@@ -25,7 +26,8 @@ DEFAULT_TRAIN = Path(__file__).resolve().parents[2] / "tests" / "data" / "safety
 def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     safety = subparsers.add_parser("safety", help="safety classifiers: train the head, check text, policies, audit")
     sub = safety.add_subparsers(dest="safety_command", required=True, metavar="ACTION")
-    train = sub.add_parser("train", help="train the safety head on the labelled set (reproducible)")
+    train = sub.add_parser("train", help="train the safety heads and the tuned classifier on the labelled set "
+                                         "(reproducible; ~3 + ~8 minutes on 2 vCPUs)")
     train.add_argument("--data", default=str(DEFAULT_TRAIN), help="labelled JSONL (default tests/data/safety_train.jsonl)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", default=None, help="head directory (default assistant/safety/models)")
@@ -33,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
                        choices=("minilm-l6-int8+e5", "minilm-l6-int8", "minilm-l6"))
     train.add_argument("--layers", default=None, help="embedder hidden states to pool, comma-separated "
                        "(0 = embeddings, 6 = last; default: head.DEFAULT_LAYERS, 3,4,5,6)")
+    train.add_argument("--only", choices=("heads", "tuned"), default=None,
+                       help="train only the logistic heads (input stage) or only the tuned classifier (passages)")
     train.add_argument("--c", type=float, default=None,
                        help="inverse regularisation of the logistic regression (default: head.DEFAULT_C)")
     add_common(train)
@@ -79,11 +83,43 @@ def _single_thread() -> None:
 
 def _cmd_train(args, config) -> int:
     from assistant.safety.evaluate import load_rows
-    from assistant.safety.head import HEAD_DIR, Featurizer, train_heads
 
     _single_thread()
     data = Path(args.data)
     rows = load_rows(data)
+    trained_on = {"file": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "rows": len(rows)}
+    if args.only != "tuned":
+        status = _train_heads(args, rows, trained_on)
+        if status:
+            return status
+    if args.only != "heads":
+        _train_tuned(args, rows, trained_on)
+    return 0
+
+
+def _train_tuned(args, rows: list[dict], trained_on: dict) -> None:
+    from tqdm import tqdm
+
+    from assistant.safety import tuned
+    from assistant.safety.head import HEAD_DIR, training_label
+
+    kept = [(r["text"], label) for r in rows if (label := training_label(r)) is not None]
+    started = time.perf_counter()
+    with tqdm(total=tuned.num_steps(len(kept)), unit="batch", desc="Training the tuned classifier",
+              file=sys.stderr, disable=None) as bar:
+        arrays, card = tuned.train_tuned([t for t, _ in kept], [lab for _, lab in kept], seed=args.seed,
+                                         progress=bar.update)
+    card["trained_on"] = trained_on
+    path = tuned.save(arrays, card, Path(args.out) if args.out else HEAD_DIR)
+    saved = json.loads(path.with_suffix(".json").read_text())
+    print(f"{tuned.NAME} (LoRA rank {card['rank']} on all-MiniLM-L6-v2; classes: {', '.join(card['classes'])}): "
+          f"trained on {len(kept)} rows in {time.perf_counter() - started:.0f} s, losses by epoch "
+          f"{card['epoch_losses']}; saved {path} (version {saved['version']}, sha256 {saved['sha256'][:16]}…)")
+
+
+def _train_heads(args, rows: list[dict], trained_on: dict) -> int:
+    from assistant.safety.head import HEAD_DIR, Featurizer, train_heads
+
     started = time.perf_counter()
     options: dict = {} if args.c is None else {"c": args.c}
     if args.layers:
@@ -93,10 +129,9 @@ def _cmd_train(args, config) -> int:
             print(f"Error: --layers {args.layers!r}: give hidden-state numbers such as 2,4,6.", file=sys.stderr)
             return 2
     trained = train_heads(rows, Featurizer(args.featurizer), seed=args.seed, **options)
-    print(f"trained on {trained[0][2]['num_rows']} rows of {data.name} in {time.perf_counter() - started:.1f} s")
+    print(f"trained on {trained[0][2]['num_rows']} rows of {trained_on['file']} in {time.perf_counter() - started:.1f} s")
     for name, head, card in trained:
-        card["trained_on"] = {"file": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
-                              "rows": len(rows)}
+        card["trained_on"] = trained_on
         path = head.save(Path(args.out) if args.out else HEAD_DIR, card=card, name=name)
         saved = json.loads(path.with_suffix(".json").read_text())
         print(f"{name} ({head.featurizer}; classes: {', '.join(head.classes)}; layers "

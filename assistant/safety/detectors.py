@@ -9,6 +9,8 @@ run at which stage and the score at which each one acts. The real detectors, che
     language. ~1 ms.
   * `head`             — our own head (assistant/safety/head.py) on all-MiniLM-L6-v2 sentence
     embeddings: one softmax over benign + every input category. ~8 ms for a short message.
+  * `tuned`            — our LoRA-tuned all-MiniLM-L6-v2 (assistant/safety/tuned.py), trained on the same
+    labelled set: the reader of retrieved passages and tool results (~25 ms a 256-piece window).
   * `nanoguard`        — PyPI metatronnanoguard 0.1.0: a 16.8M-parameter transformer for prompt
     injection. The package pads every text to 512 tokens (~160-250 ms here); we run it unpadded on
     the real tokens (~15 ms), as a second opinion on retrieved and tool text, not on every message.
@@ -185,6 +187,31 @@ class HeadDetector(_Lazy):
         return [Score(c, float(p), self.name) for c, p in zip(head.classes, probs) if c != "benign"]
 
 
+class TunedDetector(_Lazy):
+    """The LoRA-tuned MiniLM (assistant/safety/tuned.py): one softmax over benign + every input category,
+    a long text scored by its most harmful 256-piece window."""
+
+    name = "tuned"
+    categories = INPUT_CATEGORIES
+
+    def __init__(self, path: Any = None) -> None:
+        super().__init__()
+        self.path = path
+
+    def load(self) -> Any:
+        from assistant.safety.tuned import TunedClassifier
+
+        return TunedClassifier.load(self.path)
+
+    def cache_key(self, where: str) -> str:
+        return f"tuned:{self.model().card.get('sha256', '')[:32]}"
+
+    def score(self, text: str) -> list[Score]:
+        model = self.model()
+        return [Score(c, float(p), self.name) for c, p in zip(model.classes, model.probabilities(text)) if c != "benign"]
+
+
 def real_detectors(head_path: Any = None) -> dict[str, Detector]:
     """The product's detectors by name (each loads on first use)."""
-    return {d.name: d for d in (PromptGuardrail(), Profanity(), HeadDetector(head_path), NanoGuard())}
+    return {d.name: d for d in (PromptGuardrail(), Profanity(), HeadDetector(head_path), TunedDetector(head_path),
+                                NanoGuard())}

@@ -91,7 +91,7 @@ class Featurizer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
         if name.startswith("minilm-l6-int8"):
-            model = _quantize(torch, model)
+            model = quantize_int8(torch, model)
         self.name, self.model, self._torch = name, model, torch
         self.e5 = load_e5() if name.endswith("+e5") else None
         # e5 runs on a thread of its own: its OpenMP calls resolve to torch's libgomp, whose thread count
@@ -171,7 +171,8 @@ def load_e5() -> Any:
     return E5(model_path=str(model), lib_path=str(engine), sae_path=str(model) + ".no-sparse-head")
 
 
-def _quantize(torch: Any, model: Any) -> Any:
+def quantize_int8(torch: Any, model: Any) -> Any:
+    """The model with its Linear layers dynamic-quantised to int8 (the featurizer's and tuned.py's)."""
     import warnings
 
     quantize = getattr(getattr(torch, "ao", None), "quantization", None)
@@ -207,56 +208,73 @@ class SafetyHead:
 
     def probabilities(self, features: np.ndarray) -> np.ndarray:
         """(N, D) features → (N, C) category scores (see the module notes: harmful mass to the top category)."""
-        logits = features @ self.weights.T + self.bias  # (N, C)
-        logits -= logits.max(axis=1, keepdims=True)
-        probs = np.exp(logits)
-        probs /= probs.sum(axis=1, keepdims=True)
-        benign = self.classes.index(BENIGN)
-        harmful = 1.0 - probs[:, benign]  # (N,)
-        masked = probs.copy()
-        masked[:, benign] = -1.0
-        top = masked.argmax(axis=1)
-        probs[np.arange(len(probs)), top] = harmful
-        return probs
+        return softmax_scores(features @ self.weights.T + self.bias, self.classes)  # (N, C)
 
     # -- files ----------------------------------------------------------------------------------
     def save(self, directory: Path = HEAD_DIR, *, card: dict | None = None, name: str = HEAD_NAME) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        npz = directory / f"{name}.npz"
-        import io
-
-        buffer = io.BytesIO()
-        np.savez(buffer, weights=self.weights.astype(np.float32), bias=self.bias.astype(np.float32))
-        data = buffer.getvalue()
-        digest = hashlib.sha256(data).hexdigest()
-        old = _read_card(directory, name)
-        version = old.get("version", 0) + (old.get("sha256") != digest) if old else 1
-        npz.write_bytes(data)
-        full = {"format": 1, "version": version, "sha256": digest, "classes": list(self.classes),
-                "featurizer": self.featurizer, "layers": list(self.layers), **(card or {})}
-        (directory / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")
-        return npz
+        arrays = {"weights": self.weights.astype(np.float32), "bias": self.bias.astype(np.float32)}
+        return write_arrays(directory, name, arrays, {"format": 1, "classes": list(self.classes),
+                                                      "featurizer": self.featurizer, "layers": list(self.layers),
+                                                      **(card or {})})
 
     @classmethod
     def load(cls, directory: Path | None = None, name: str = HEAD_NAME) -> "SafetyHead":
         directory = Path(directory or HEAD_DIR)
-        card = _read_card(directory, name)
+        arrays, card = read_arrays(directory, name, "safety head")
         npz = directory / f"{name}.npz"
-        if not card or not npz.is_file():
-            raise ModelError(f"No trained safety head in {directory}: run `assistant safety train`.")
-        data = npz.read_bytes()
-        if hashlib.sha256(data).hexdigest() != card.get("sha256"):
-            raise ModelError(f"{npz} does not match the sha256 in its card: run `assistant safety train` again.")
-        import io
-
-        arrays = np.load(io.BytesIO(data), allow_pickle=False)
         layers = tuple(int(k) for k in card.get("layers", (NUM_LAYERS,)))  # heads before layers were one layer
         if arrays["weights"].shape[1] != 384 * len(layers) + (E5_DIM if card["featurizer"].endswith("+e5") else 0):
             raise ModelError(f"{npz} has {arrays['weights'].shape[1]} features per row but its card names layers "
                              f"{layers}: run `assistant safety train` again.")
         return cls(tuple(card["classes"]), arrays["weights"], arrays["bias"], card["featurizer"], layers,
                    int(card.get("version", 1)), card)
+
+
+def softmax_scores(logits: np.ndarray, classes: Sequence[str]) -> np.ndarray:
+    """(N, C) logits → (N, C) category scores: the softmax, with the harmful mass 1 - P(benign) given to
+    the most likely harmful category (see the module notes)."""
+    logits = logits - logits.max(axis=1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=1, keepdims=True)
+    benign = list(classes).index(BENIGN)
+    masked = probs.copy()
+    masked[:, benign] = -1.0
+    probs[np.arange(len(probs)), masked.argmax(axis=1)] = 1.0 - probs[:, benign]
+    return probs
+
+
+def write_arrays(directory: Path, name: str, arrays: dict[str, np.ndarray], card: dict) -> Path:
+    """`name`.npz (plain arrays) and `name`.json (the card, with the arrays' sha256 and a version that
+    goes up whenever they change)."""
+    import io
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    data = buffer.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    old = _read_card(directory, name)
+    version = old.get("version", 0) + (old.get("sha256") != digest) if old else 1
+    npz = directory / f"{name}.npz"
+    npz.write_bytes(data)
+    (directory / f"{name}.json").write_text(json.dumps({"format": card.get("format", 1), "version": version,
+                                                        "sha256": digest, **card}, indent=1) + "\n")
+    return npz
+
+
+def read_arrays(directory: Path, name: str, what: str) -> tuple[dict[str, np.ndarray], dict]:
+    """The arrays and the card written by `write_arrays`, the arrays checked against the card's sha256
+    and loaded without pickle."""
+    import io
+
+    card, npz = _read_card(directory, name), Path(directory) / f"{name}.npz"
+    if not card or not npz.is_file():
+        raise ModelError(f"No trained {what} in {directory}: run `assistant safety train`.")
+    data = npz.read_bytes()
+    if hashlib.sha256(data).hexdigest() != card.get("sha256"):
+        raise ModelError(f"{npz} does not match the sha256 in its card: run `assistant safety train` again.")
+    return dict(np.load(io.BytesIO(data), allow_pickle=False)), card
 
 
 def _read_card(directory: Path, name: str = HEAD_NAME) -> dict:
