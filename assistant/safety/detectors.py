@@ -204,7 +204,10 @@ class TunedDetector(_Lazy):
         return TunedClassifier.load(self.path)
 
     def cache_key(self, where: str) -> str:
-        return f"tuned:{self.model().card.get('sha256', '')[:32]}"
+        """The score cache's key: the arrays' hash and the way windows are read."""
+        from assistant.safety.tuned import READING
+
+        return f"tuned:{self.model().card.get('sha256', '')[:32]}:r{READING}"
 
     def score(self, text: str) -> list[Score]:
         model = self.model()

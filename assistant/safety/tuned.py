@@ -48,6 +48,7 @@ RANK, ALPHA = 8, 16
 EPOCHS, LEARNING_RATE, BATCH, TRAIN_TOKENS, WARMUP = 4, 5e-4, 16, 128, 50
 TRAIN_THREADS = 2
 WINDOW = 254  # word pieces per window (+ [CLS] and [SEP]: MiniLM's 256)
+READING = 2  # bumped whenever how a text is read changes (windows): part of the score cache's key
 TARGETS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
            "intermediate.dense", "output.dense")  # every Linear of a BertLayer
 
@@ -115,10 +116,13 @@ class TunedClassifier:
         return cls(tuple(card["classes"]), card, torch, tokenizer, model, arrays["head.weight"], arrays["head.bias"])
 
     def windows(self, text: str) -> list[list[int]]:
-        """The text's word pieces in consecutive windows of at most WINDOW, each with [CLS] ... [SEP]."""
+        """The text's word pieces in windows of WINDOW, each with [CLS] ... [SEP]: consecutive ones, the
+        last ending at the text's end (so it overlaps the one before rather than being a scrap of a
+        few words, which the model never saw in training)."""
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] or [self.tokenizer.unk_token_id]
+        starts = sorted({min(i, max(0, len(ids) - WINDOW)) for i in range(0, len(ids), WINDOW)})
         cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
-        return [[cls_id, *ids[i:i + WINDOW], sep_id] for i in range(0, len(ids), WINDOW)]
+        return [[cls_id, *ids[i:i + WINDOW], sep_id] for i in starts]
 
     def probabilities(self, text: str) -> np.ndarray:
         """(C,) category scores of the text's most harmful window (head.softmax_scores)."""
