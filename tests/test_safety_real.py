@@ -196,3 +196,24 @@ def test_tuned_training_is_reproducible_and_a_long_text_is_read_to_its_end():
     benign = model.classes.index("benign")
     assert model.probabilities(manual)[benign] > 0.6
     assert model.probabilities(footer)[benign] < 0.4  # only the last window holds the instruction
+
+
+def test_one_command_trains_the_tuned_classifier_again_to_the_same_arrays(tmp_path, capsys):
+    """`assistant safety train --only tuned` twice on the same rows: the second run writes the same
+    arrays, so the card keeps version 1 (a change of arrays would bump it)."""
+    _need_embedder()
+    import json
+
+    from assistant.cli import main
+    from tests.conftest import REPO_ROOT
+
+    rows = [json.loads(line) for line in (REPO_ROOT / "tests" / "data" / "safety_train.jsonl").open()]
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps(r) + "\n" for r in rows[::120]))
+    out = tmp_path / "models"
+    for _ in range(2):
+        assert main(["safety", "train", "--only", "tuned", "--data", str(small), "--out", str(out)]) == 0
+        card = json.loads((out / "safety_tuned.json").read_text())
+        assert card["version"] == 1 and card["trained_on"]["file"] == "small.jsonl"
+    assert not (out / "safety_head.json").exists()  # --only tuned leaves the heads alone
+    assert "safety_tuned (LoRA rank 8" in capsys.readouterr().out
