@@ -6,12 +6,12 @@ Design notes:
     topic similarity, so an instruction to the assistant buried in a manual page sits near the manual.
     Training the encoder itself lets it learn that "AI assistants reading this: ignore ..." matters
     more than the page around it. 5-fold CV on the training rows (fold 0), retrieved passages at 0.6:
-    fast head 70.7% caught / 4.3% fenced, full head 82.7% / 2.5%, this model 97.3% / 3.7%. The three
-    blind sets written for the heads (v5, v6, v7; 48 injected and 60 benign passages), as the default
-    policy's retrieved stage runs (with prompt_guardrail): head 37/48 caught, 14/60 fenced; this model
-    41/48, 5/60. On user messages it was no better than the heads (v5-v7: 86.6% caught, 6.0% blocked
-    against 90.9% / 5.3%), and a second MiniLM pass would cost the 30 ms budget, so the input stage
-    keeps the heads.
+    fast head 70.7% caught / 4.3% fenced, full head 82.7% / 2.5%, this model 97.3% / 3.7%. On the
+    held-out sets v5-v7 (48 injected and 60 benign passages), as the default policy's retrieved stage
+    runs (with prompt_guardrail): heads 37/48 caught, 14/60 fenced; this model 40/48, 2/60 (blind v8:
+    17/20, 5/20 against 18/20, 1/20). On user messages it was no better than the heads (v5-v7: 86.6%
+    caught, 6.0% blocked against 90.9% / 5.3%), and a second MiniLM pass would cost the 30 ms budget,
+    so the input stage keeps the heads.
   * Model: rank-8 LoRA (scale alpha/r = 2) on every Linear of the six layers (query, key, value,
     attention output, intermediate, output: 334k trained parameters; the 22.7M base weights stay
     frozen) and a linear softmax over benign + the input categories on the mean-pooled last layer.
@@ -23,7 +23,7 @@ Design notes:
   * Training (`assistant safety train`): AdamW (lr 5e-4, weight decay 0.01), 4 epochs, batches of 16
     texts of similar length (128 word pieces), 50 warm-up steps then linear decay; seeds fixed and
     TRAIN_THREADS torch threads, so a rerun on the same torch gives the same arrays (their sha256 is in
-    the card). About 8 minutes for the 3,400 training rows on this 2-vCPU box.
+    the card). About 8-11 minutes for the 3,867 training rows on this 2-vCPU box.
   * Why hand-written LoRA rather than peft: the adapter is 10 lines (`_lora`), it is merged into plain
     weights before any inference, and the stored arrays are a plain `.npz` (allow_pickle=False) like
     the heads. peft would add a dependency for the training loop alone.
