@@ -258,8 +258,9 @@ def write_arrays(directory: Path, name: str, arrays: dict[str, np.ndarray], card
     version = old.get("version", 0) + (old.get("sha256") != digest) if old else 1
     npz = directory / f"{name}.npz"
     npz.write_bytes(data)
+    rest = {k: v for k, v in card.items() if k not in ("version", "sha256")}  # a loaded card's are stale
     (directory / f"{name}.json").write_text(json.dumps({"format": card.get("format", 1), "version": version,
-                                                        "sha256": digest, **card}, indent=1) + "\n")
+                                                        "sha256": digest, **rest}, indent=1) + "\n")
     return npz
 
 
