@@ -17,9 +17,9 @@ Design notes:
     frozen) and a linear softmax over benign + the input categories on the mean-pooled last layer.
   * Inference: at load the adapters are merged into the weights (W + scale * B @ A), then the Linear
     layers are quantised to int8 like the head's featurizer, so a score is one plain MiniLM pass
-    (~8 ms a message, ~25 ms a 256-piece window here). A text longer than one window is read in
-    consecutive windows of WINDOW word pieces and scored by its most harmful window: an instruction in
-    a chunk's footer is not cut off.
+    (~8 ms a message, ~30 ms a long chunk here). A text longer than one window is read in windows of
+    WINDOW word pieces, the last one ending at the text's end, and scored by its most harmful window:
+    an instruction in a chunk's footer is not cut off.
   * Training (`assistant safety train`): AdamW (lr 5e-4, weight decay 0.01), 4 epochs, batches of 16
     texts of similar length (128 word pieces), 50 warm-up steps then linear decay; seeds fixed and
     TRAIN_THREADS torch threads, so a rerun on the same torch gives the same arrays (their sha256 is in
@@ -163,7 +163,7 @@ def train_tuned(texts: Sequence[str], labels: Sequence[str], *, seed: int = 0, e
     y = np.array([classes.index(label) for label in labels])
     threads = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the encoder's own dropout layers draw from the global generator
     rng, generator = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
     try:
         for p in model.parameters():
@@ -178,7 +178,7 @@ def train_tuned(texts: Sequence[str], labels: Sequence[str], *, seed: int = 0, e
             head.bias.zero_()
         params = [p for a in adapters.values() for p in (a.A, a.B)] + list(head.parameters())
         optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.01)
-        steps = epochs * math.ceil(len(texts) / BATCH)
+        steps = num_steps(len(texts), epochs)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * max(0.0, 1 - s / steps))
         model.train()
@@ -213,6 +213,7 @@ def train_tuned(texts: Sequence[str], labels: Sequence[str], *, seed: int = 0, e
 
 
 def num_steps(num_texts: int, epochs: int = EPOCHS) -> int:
+    """Optimizer steps of a training run (`_batches` makes ceil(N / BATCH) batches an epoch)."""
     return epochs * math.ceil(num_texts / BATCH)
 
 
