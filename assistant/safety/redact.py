@@ -212,7 +212,8 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
 
 
 def _date_like(s: str) -> bool:
-    return re.fullmatch(r"\d{4}-\d{2}-\d{2}", s.strip()) is not None
+    """An ISO date, or one with its hour: "0000-01-01 00" of "0000-01-01 00:00:00" (SQLite's manual)."""
+    return re.fullmatch(r"\d{4}-\d{2}-\d{2}(?:[ T]\d{2})?", s.strip()) is not None
 
 
 def redact(text: str, findings: Sequence[Finding]) -> str:
