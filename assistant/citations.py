@@ -19,7 +19,9 @@ Design note — a citation is only as good as the evidence behind it:
       - otherwise the marker moves to the passage that supports the claim best (`reassigned`);
       - and when no passage supports the claim, its marker is removed: no evidence, no citation.
   * A marker run that follows another with no words between them ("… is 2 [1]. [2]") is dropped: it
-    closes no claim (the 1.5B model ends one answer in five with such a stray number).
+    closes no claim (the 1.5B model ends one answer in five with such a stray number). A run after the
+    full stop of a sentence without one ("… is 50. [4]") is moved before the full stop first: it cites
+    that sentence.
   * A sentence without any marker that clearly reuses a passage (MIN_SHARED_WORDS content words)
     gets that passage's marker appended; such sources carry `inferred=True` in the stored meta.
   * The snippet shown with a source is the passage's sentence that best matches the claim it
@@ -150,7 +152,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
         out.append(prose[last:])
         return "".join(out)
 
-    text = _outside_code(answer, assign)
+    text = _outside_code(_outside_code(answer, _inside_sentence), assign)
     if dropped:
         text = re.sub(r"[ \t]+([.,;:!?])", r"\1", text)  # "fact [9]." -> "fact."
         text = re.sub(r"[ \t]{2,}", " ", text)
@@ -165,6 +167,15 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
     sources = tuple(_source(ledger.get(n), claims.get(n, "")) for n in markers)  # type: ignore[arg-type]
     really_dropped = sorted(set(dropped) - set(markers))
     return CitationCheck(text, sources, tuple(really_dropped), tuple(sorted(set(inferred))), tuple(reassigned))
+
+
+LATE_RUN = re.compile(r"(?<=[\w)\"'`])([.!?])[ \t]*((?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\])+)(?=\s|$)")
+
+
+def _inside_sentence(prose: str) -> str:
+    """A marker run written after the full stop of a sentence without one ("… is 50. [4]") moved
+    before it ("… is 50 [4]."): it cites that sentence, not the next one."""
+    return LATE_RUN.sub(r" \2\1", prose)
 
 
 def _claim(prose: str, start: int, end: int) -> str:

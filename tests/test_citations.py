@@ -230,3 +230,13 @@ def test_a_stray_marker_after_a_cited_sentence_is_dropped_not_reattributed():
     assert check.dropped_markers == (2,)
     kept = verify_citations("The warranty period is 7 years [1]. It is a compact air purifier [2].", _ledger())
     assert [s.marker for s in kept.sources] == [1, 2]  # a run after words of its own is a claim's
+
+
+def test_a_marker_after_the_full_stop_cites_its_own_sentence_and_a_repeated_one_goes():
+    ledger = SourceLedger()
+    ledger.add("spec.pdf", 3, "The globs2 file records the weight of each glob.", "c1")
+    ledger.add("spec.pdf", 4, "A glob gets a weight of 50 when its element sets none.", "c2")
+    check = verify_citations("The globs2 file records the weight of each glob [1]. [1] A glob gets a weight of 50. [2]",
+                             ledger)
+    assert check.text == "The globs2 file records the weight of each glob [1]. A glob gets a weight of 50 [2]."
+    assert [s.marker for s in check.sources] == [1, 2] and check.inferred_markers == ()
