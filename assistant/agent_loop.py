@@ -10,6 +10,9 @@ Design note — one step loop, two doors:
     splitter releases) becomes TextDelta events that pass through the turn's stream transformers (an
     output guard, a sentence-to-speech transformer) in order. What comes out of the last transformer
     is what the user sees and what is stored.
+  A compound question ("Which file records X, and what weight does Y get?") is answered part by
+  part (assistant/compound.py): each part gets its own prefetch and steps, with the earlier parts and
+  their answers as its conversation, and one emitter carries all the parts' text to the user.
   A counting question over a prefetched section is answered before the loop, counted in code
   (assistant/counting.py) over the list the section names, else over the items the model copies out
   of it in one unshown call; otherwise the loop runs.
@@ -38,6 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
 from assistant.citations import SourceLedger
+from assistant.compound import question_parts
 from assistant.config import AssistantConfig
 from assistant.context import ContextPlan, PromptParts, fit_prompt, passages_block
 from assistant.counting import (LIST_ITEMS, MAX_ITEMS, MIN_LISTED, count_answer, counted_noun, listed_items,
@@ -179,16 +183,41 @@ class AgentLoop:
     def run(self, turn: TurnState, user: Message, chat: list[Message], ids: list[str], memory: str,
             params: SamplingParams, cancel: threading.Event | None, flush: Callable[[str], None]) -> Iterator[TurnEvent]:
         tools = [t for t in self.tools.enabled(turn.cid) if _within(t, turn.scope)]
-        by_name = {t.name: t for t in tools}
-        turn.documents = "search_documents" in by_name  # markers are checked whenever documents could be cited
-        ctx = ToolContext(turn.cid, turn.ledger, extra={SCOPE: turn.scope})
+        turn.documents = any(t.name == "search_documents" for t in tools)  # markers are checked when documents could be cited
         emitter = Emitter(self.transformers, turn.parts)
+        parts = [user["content"]] if not isinstance(user["content"], str) else question_parts(user["content"])
+        if len(parts) == 1 or not (turn.documents and self.options.auto_retrieve and self.prefetch is not None):
+            yield from self._answer(turn, user, chat, ids, memory, params, cancel, flush, tools, emitter)
+            yield from emitter.finish()
+            return
+        asked: list[Message] = []  # the parts answered so far, as the next part's conversation
+        for i, part in enumerate(parts):
+            start = len(emitter.said)
+            question: Message = {**user, "content": part}
+            chat, ids, memory = yield from self._answer(turn, question, [*chat, *asked], ids, memory, params, cancel,
+                                                        flush, tools, emitter, own=len(chat))
+            if turn.finish == "cancelled":
+                break
+            said = emitter.said[start:].strip()
+            asked += [question, {"role": "assistant", "content": said}]
+            if said and i < len(parts) - 1:
+                yield from emitter.emit(" ")
+        yield from emitter.finish()
+
+    def _answer(self, turn: TurnState, user: Message, chat: list[Message], ids: list[str], memory: str,
+                params: SamplingParams, cancel: threading.Event | None, flush: Callable[[str], None],
+                tools: list[Any], emitter: Emitter, own: int | None = None) -> Iterator[TurnEvent]:
+        """One question's steps: prefetch, a count or the tool loop. The first `own` messages of `chat`
+        are the stored conversation (the rest: earlier parts of a compound question, assistant/compound.py);
+        returns the stored conversation, its ids and the memory as summarising left them."""
+        own = len(chat) if own is None else own
+        by_name = {t.name: t for t in tools}
+        ctx = ToolContext(turn.cid, turn.ledger, extra={SCOPE: turn.scope})
         history = [m["content"] for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
         context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
         if found is not None and found.count and context:
             if (yield from self._count(turn, user, found, emitter, context, params, cancel)):
-                yield from emitter.finish()
-                return
+                return chat[:own], ids, memory
         steps: list[Message] = []
         repairs_left, offer_tools = self.options.max_repairs, bool(tools)
         seen_calls: set[str] = set()
@@ -201,9 +230,10 @@ class AgentLoop:
                 count_tokens=self.router.small.count_tokens, context_window=self.router.context_window,
                 reserve=params.max_tokens, summarize=self.summarize if self.options.summarize_overflow else None)
             if plan.num_summarised:  # later steps of this turn start from the new memory
-                memory = plan.memory
-                turn.memory = {"summary": memory, "through_id": ids[plan.num_summarised - 1]}
-                chat, ids = chat[plan.num_summarised:], ids[plan.num_summarised:]
+                memory, stored = plan.memory, min(plan.num_summarised, own)
+                if stored:
+                    turn.memory = {"summary": memory, "through_id": ids[stored - 1]}
+                chat, ids, own = chat[plan.num_summarised:], ids[stored:], own - stored
             route = self.router.choose(prompt_tokens=plan.prompt_tokens, has_documents=bool(turn.ledger),
                                        after_tool_step=bool(steps), prefer=turn.prefer)
             notices: list[str] = []
@@ -267,7 +297,7 @@ class AgentLoop:
             else:
                 offer_tools = False
                 yield Notice("The model could not write a valid tool call; it answers without tools.")
-        yield from emitter.finish()
+        return chat[:own], ids, memory
 
     def _count(self, turn: TurnState, user: Message, found: Any, emitter: Emitter, context: list[str],
                params: SamplingParams, cancel: threading.Event | None) -> Iterator[TurnEvent]:

@@ -42,6 +42,7 @@ DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads
 SUMMARY = re.compile(r"\b(summari[sz]e|summary of|compare|comparison|overview)\b", re.I)
 COUNTING = re.compile(r"\bhow many\b|\bnumber of (?:the )?\w+ (?:are|is|does|do)\b", re.I)
 # a question that leans on the previous one: "And ...?", "what does it return?", "those", "the second one"
+ASKING_WORDS = frozenset({"since", "which", "what", "how", "when", "where", "who", "whose", "why"})
 FOLLOW_UP = re.compile(r"^\s*(?:and|also|then|so)\b|\b(?:it|its|that|those|these|them|they|this|one|ones|there)\b", re.I)
 
 log = logging.getLogger(__name__)
@@ -354,9 +355,10 @@ class Prefetched:
 
 
 def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
-    """The search query for `question`: a follow-up ("and the second one?", "what does it return?")
-    is searched together with the user's previous question, which holds what "it" refers to."""
-    if history and FOLLOW_UP.search(question):
+    """The search query for `question`: a follow-up ("and the second one?", "what does it return?",
+    "since which version?": a pronoun, or one content word at most) is searched together with the
+    user's previous question, which holds what "it" refers to."""
+    if history and (FOLLOW_UP.search(question) or len(content_words(question) - ASKING_WORDS) <= 1):
         return f"{history[-1]} {question}"
     return question
 
