@@ -147,10 +147,9 @@ class NanoGuard(_Lazy):
 
 class HeadDetector(_Lazy):
     """Our trained heads (assistant/safety/head.py): the fast MiniLM-only head reads English-looking
-    text at every stage (~8 ms a message, ~30 ms a chunk); the full head (MiniLM + multilingual-e5-small,
-    ~30-40 ms a message, ~0.4 s a long chunk here) reads the rest, keeping a long text's most harmful
-    e5 window. Without a fast head file, the full head reads all. On the 1,522 eval-manual chunks the
-    full head on every chunk quarantined 5.4% in 601 s; MiniLM alone 4.1%."""
+    text at every stage (~8 ms a message, ~30 ms a chunk); the full head (multilingual-e5-small alone,
+    ~10-20 ms a message here) reads the rest, keeping a long text's most harmful e5 window. Without a
+    fast head file, the full head reads all."""
 
     name = "head"
     categories = INPUT_CATEGORIES

