@@ -50,6 +50,7 @@ META = re.compile(  # a sentence about where the answer was read, not part of it
     re.I | re.S)
 SENTENCES = re.compile(r"(?<=[.!?])[ \t]+(?=[A-Z`\"'(\[*-])|\n+")
 MARKERS = re.compile(r"\[\d{1,3}(?:\s*,\s*\d{1,3})*\]")
+LEADING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][\s.]*)+(?=\w)")  # markers before any word
 REFUSAL = "The documents I searched do not say."
 MAX_POINTERS = 3
 DIGIT_WORDS = {digits: word for word, digits in NUMBER_WORDS.items()}  # "2" -> "two"
@@ -68,10 +69,11 @@ class Grounding:
 
 
 def strip_echoes(answer: str) -> str:
-    """The answer without passage headers copied from the context ("[2] doc.pdf p. 4: …"), and without
-    sentences after the first that only say where it was read ("It is found in the passage from …"):
-    the user never saw "the passages", and the sources already say where each fact comes from."""
-    text = answer
+    """The answer without passage headers copied from the context ("[2] doc.pdf p. 4: …"), without
+    markers before its first word (they cite nothing), and without sentences after the first that
+    only say where it was read ("It is found in the passage from …"): the user never saw "the
+    passages", and the sources already say where each fact comes from."""
+    text = LEADING_MARKERS.sub("", answer)  # "[1] The version is 0.21 [1].": a first reply that was only "[1]"
     meta = [s for s in _sentences(text)[1:] if META.match(MARKERS.sub("", s))]  # before the headers go: "p. 3" says it
     for sentence in meta:
         text = text.replace(sentence, "", 1)

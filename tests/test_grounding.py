@@ -98,3 +98,29 @@ def test_a_turn_over_documents_refuses_a_made_up_fact_and_cites_nothing(tmp_path
     assert stored.content == done.text and stored.meta["unsupported_facts"] == ["2.5"]
     kept = list(assistant.turn(None, "What is the warranty period of the Zephyr X2?"))[-1]
     assert kept.text == "The warranty period is 7 years [1]."  # supported: untouched, cited
+
+
+def test_an_answer_that_is_only_a_passage_number_is_asked_again_in_words(tmp_path):
+    """The 1.5B model sometimes answers "[1]" and stops; the turn asks once more, without tools, and the
+    stray marker before the answer's first word goes."""
+    from assistant.agent_loop import IN_WORDS
+
+    assistant, engine = make_assistant(tmp_path, "[1]", "The warranty period is 7 years [1].",
+                                       retriever=FakeRetriever(MANUAL))
+    events = list(assistant.turn(None, "What is the warranty period of the Zephyr X2?"))
+    assert len(engine.prompts) == 2
+    again = engine.prompts[1]
+    assert again[-2] == {"role": "assistant", "content": "[1]"} and again[-1] == IN_WORDS
+    done = events[-1]
+    assert isinstance(done, Done) and done.text == "The warranty period is 7 years [1]."
+    assert IN_WORDS["content"] in assistant.prompt_texts()  # the output guard protects it like the system prompt
+    # asked once only: a second bare number is the refusal that names the closest passages
+    assistant, engine = make_assistant(tmp_path / "b", "[1]", "[1]", retriever=FakeRetriever(MANUAL))
+    assert list(assistant.turn(None, "What is the warranty period of the Zephyr X2?"))[-1].text.startswith(REFUSAL)
+    assert len(engine.prompts) == 2
+
+
+def test_markers_before_the_first_word_are_removed():
+    assert strip_echoes("[1] The version is 0.21 [1].") == "The version is 0.21 [1]."
+    assert strip_echoes("[1]. [2] It is 7 years [2].") == "It is 7 years [2]."
+    assert strip_echoes("It is 7 years [2].") == "It is 7 years [2]."
