@@ -77,9 +77,10 @@ class QAItem:
 
 def occurs(entry: str, text: str) -> bool:
     """Whether `entry` occurs in `text`; a number only as a whole number: "5" is not in "rfc5890" or "25",
-    "1.6" is not in "1.6.3" (a count of 6 RFCs listing rfc5890 was scored right for "5")."""
+    "1.6" is not in "1.6.3" (a count of 6 RFCs listing rfc5890 was scored right for "5"); letters
+    before it are a name's prefix, not digits: "8878" is in "RFC8878"."""
     if NUMBER.fullmatch(entry):
-        return re.search(rf"(?<![\w.]){re.escape(entry)}(?!\w|\.\d)", text) is not None
+        return re.search(rf"(?<![\d.]){re.escape(entry)}(?!\w|\.\d)", text) is not None
     return entry in text
 
 

@@ -330,3 +330,4 @@ def test_a_number_must_occur_as_a_whole_number():
     assert not occurs("5", "there are 6 rfcs: rfc5890, rfc5891") and occurs("5", "there are 5 rfcs.")
     assert not occurs("1.6", "since version 1.6.3") and occurs("1.6", "since: 1.6.") and not occurs("25", "125 types")
     assert occurs("-2", "returns -2 when") and occurs("day of week", "the day of week 0-6")
+    assert occurs("8878", "documented in [rfc8878] [1].") and not occurs("88", "rfc8878")  # a name's number counts
