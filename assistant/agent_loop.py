@@ -187,7 +187,7 @@ class AgentLoop:
     def run(self, turn: TurnState, user: Message, chat: list[Message], ids: list[str], memory: str,
             params: SamplingParams, cancel: threading.Event | None, flush: Callable[[str], None]) -> Iterator[TurnEvent]:
         tools = [t for t in self.tools.enabled(turn.cid) if _within(t, turn.scope)]
-        turn.documents = any(t.name == "search_documents" for t in tools)  # markers are checked when documents could be cited
+        turn.documents = any(t.name == "search_documents" for t in tools)  # then markers are checked
         emitter = Emitter(self.transformers, turn.parts)
         parts = [user["content"]] if not isinstance(user["content"], str) else question_parts(user["content"])
         if len(parts) == 1 or not (turn.documents and self.options.auto_retrieve and self.prefetch is not None):
