@@ -42,7 +42,7 @@ DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads
 SUMMARY = re.compile(r"\b(summari[sz]e|summary of|compare|comparison|overview)\b", re.I)
 COUNTING = re.compile(r"\bhow many\b|\bnumber of (?:the )?\w+ (?:are|is|does|do)\b", re.I)
 # a question that leans on the previous one: "And ...?", "what does it return?", "those", "the second one"
-ASKING_WORDS = frozenset({"since", "which", "what", "how", "when", "where", "who", "whose", "why"})
+ASKING_WORDS = frozenset({"since", "whose"})  # question words that content_words keeps (its stopwords hold the rest)
 FOLLOW_UP = re.compile(r"^\s*(?:and|also|then|so)\b|\b(?:it|its|that|those|these|them|they|this|one|ones|there)\b", re.I)
 
 log = logging.getLogger(__name__)
