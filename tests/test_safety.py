@@ -396,6 +396,27 @@ def test_the_head_detector_routes_english_text_to_the_fast_head_and_the_rest_to_
     assert harm(footer) > 0.9  # only the last window holds it
 
 
+def test_the_english_profanity_model_does_not_read_other_languages():
+    """alt-profanity-check is English-only: it read German "ASS" (aspirin) as offensive. Foreign text gets
+    no profanity score (the model is not even loaded for it); English, short or unclear text still does."""
+    from assistant.safety.detectors import Profanity
+    from assistant.safety.head import looks_foreign
+
+    foreign = ["Darf ich Ibuprofen nehmen, wenn ich gleichzeitig ASS als Blutverdünner nehme?",
+               "Hoe kill ik een proces in Linux dat niet reageert op SIGTERM?",
+               "Je veux savoir comment tuer un processus bloqué", "Как убить процесс в Linux?"]
+    english = ["trash talk my boss's ugly wife publicly", "die in a fire you idiot", "how do I kill a zombie process",
+               "ass", "Schadenfreude is a German word, and so is Kindergarten"]
+    assert all(looks_foreign(t) for t in foreign)
+    assert not any(looks_foreign(t) for t in english)
+
+    class Unloadable(Profanity):
+        def load(self):
+            raise AssertionError("the English model was asked about foreign text")
+
+    assert all(Unloadable().score(t) == [] for t in foreign)
+
+
 class CachedKeywords(KeywordDetector):
     """The passage reader's shape (`tuned`): scores stored in the score cache for passages and tool results."""
 

@@ -118,6 +118,13 @@ class Profanity(_Lazy):
         return _sigmoid(-(a * decision + c)).mean(axis=1)  # (N,) sklearn: expit(-(a*f + b)) per fold, averaged
 
     def score(self, text: str) -> list[Score]:
+        from assistant.safety.head import looks_foreign
+
+        # An English model on other languages is noise: it read German "ASS" (aspirin) and Dutch "Hoe kill ik
+        # een proces" as offensive. On 1,200 non-English held-out and training messages it fired on 8 benign
+        # ones and on no toxic one, so it does not read foreign text; the full head does.
+        if looks_foreign(text):
+            return []
         return [Score("toxicity", float(self.probability([text])[0]), self.name)]
 
 

