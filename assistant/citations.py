@@ -73,7 +73,24 @@ class Passage:
         text = self.text if max_chars is None or len(self.text) <= max_chars else self.text[:max_chars] + " …"
         where = f"{self.doc} p. {self.page}" if self.page is not None else self.doc
         section = f" (section {self.heading})" if self.heading else ""
-        return f"[{self.marker}] {where}{section}: {' '.join(text.split())}"
+        return f"[{self.marker}] {where}{section}: {flatten(text)}"
+
+
+def flatten(text: str) -> str:
+    """`text` on one line, except that table rows ("| a | b |") keep a line each: run together, the
+    model lost which cell belongs to which row."""
+    out: list[str] = []
+    for line in text.split("\n"):
+        words = " ".join(line.split())
+        if not words:
+            continue
+        if words.startswith("|") or (out and out[-1].startswith("|")):
+            out.append(words)
+        elif out:
+            out[-1] += " " + words
+        else:
+            out.append(words)
+    return "\n".join(out)
 
 
 class SourceLedger:

@@ -27,7 +27,7 @@ libtasn1 version is asn1_perror available?" every chunk of the manual holds "lib
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ingest.embed import Bm25Encoder, Embedder
@@ -35,6 +35,8 @@ from ingest.index_base import VectorIndex
 from ingest.pipeline import find_document, list_documents
 
 FILTER_FIELDS = ("doc_id", "path", "file_name", "page")
+TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$|\|[^|\n]*\|[^|\n]*\|", re.M)  # a Markdown table row, or a piece of one
+RULE = re.compile(r"\|(?:\s*:?-{3,}:?\s*\|)+")  # "| --- | :---: |", under a table's header row
 # a token with a letter and a digit (XK-4471Q, E1234, v2.3.1, sha256) or a snake_case name
 IDENTIFIER = re.compile(r"(?<![\w.-])(?:(?=[\w.-]*\d)(?=[\w.-]*[^\W\d_])[^\W_][\w.-]*[^\W_]|[^\W\d_]\w*_\w+)(?![\w-])")
 
@@ -60,6 +62,7 @@ class Hit:
     # cosine / BM25 score for single-mode search
     start_char: int  # offsets of `text` within the page text
     end_char: int
+    header: str = ""  # a table's header row and rule, when `text` holds rows of a table whose header it lacks
 
     @property
     def file_name(self) -> str:
@@ -127,7 +130,22 @@ class Retriever:
             df = [sum(row[j] for row in held) for j in range(len(identifiers))]
             weight = [sum(1 / df[j] for j, has in enumerate(row) if has) for row in held]
             hits = [h for _, h in sorted(zip(weight, hits), key=lambda pair: -pair[0])]  # stable: fused order within
-        return distinct(hits)[:k]
+        return self._whole_rows(distinct(hits)[:k])
+
+    def _whole_rows(self, hits: list[Hit]) -> list[Hit]:
+        """Hits that cut a table get whole rows and the table's header (see `whole_rows`)."""
+        pages: dict[tuple[str, int], str] = {}
+        out = []
+        for hit in hits:
+            if not TABLE_ROW.search(hit.text):
+                out.append(hit)
+                continue
+            key = (hit.doc_id, hit.page)
+            if key not in pages:
+                found = self.read(hit.doc_id, [hit.page])
+                pages[key] = found[0].text if found else ""
+            out.append(whole_rows(hit, pages[key]))
+        return out
 
     def read(self, doc: str, pages: list[int] | None = None) -> list[PageText]:
         """Whole pages of a document (all of them when `pages` is None), in page order.
@@ -215,6 +233,42 @@ def distinct(hits: list[Hit]) -> list[Hit]:
             seen.add(key)
             out.append(hit)
     return out
+
+
+def whole_rows(hit: Hit, page: str) -> Hit:
+    """`hit` widened to whole table rows, with its table's header row and rule when it lacks them.
+
+    A chunk is cut by tokens, so a table chunk starts and ends mid-row ("437 | 600 MB/s | 2150 MB/s |")
+    and, past the first chunk of a table, without the header that names the columns: the 1.5B model
+    then read a compression speed as lz4's decompression speed. A row cut at either end is completed
+    from the page (the hit stays a verbatim slice of it), and the header and rule ("| name | ratio |"
+    over "| --- |") that open the table above the hit go in `header`."""
+    if page[hit.start_char:hit.end_char] != hit.text:
+        return hit
+    start, end = hit.start_char, hit.end_char
+    first = page.rfind("\n", 0, start) + 1
+    if _is_row(page, first):
+        start = first
+    last = page.rfind("\n", 0, max(end - 1, 0)) + 1
+    if _is_row(page, last):
+        end = max(end, len(page) if page.find("\n", last) < 0 else page.find("\n", last))
+    header, line = "", start
+    while line > 0:  # walk up the table's rows to its first one
+        above = page.rfind("\n", 0, line - 1) + 1
+        if not _is_row(page, above):
+            break
+        line = above
+    if line < start and _is_row(page, line):
+        rows = page[line:start].split("\n")
+        if len(rows) > 1 and RULE.fullmatch(rows[1].strip()):
+            header = rows[0].strip() + "\n" + rows[1].strip()
+    if start == hit.start_char and end == hit.end_char and not header:
+        return hit
+    return replace(hit, text=page[start:end], start_char=start, end_char=end, header=header)
+
+
+def _is_row(page: str, at: int) -> bool:
+    return page.startswith("|", at) or page[at:at + 8].lstrip(" ").startswith("|")
 
 
 def hit_from_payload(point_id: str, score: float, p: dict[str, Any]) -> Hit:

@@ -225,7 +225,9 @@ def doc_id_of(record: dict) -> str:
 
 
 def add_hit(ledger: SourceLedger, hit: Any) -> Passage:
-    return ledger.add(doc_name(hit), getattr(hit, "page", None), hit.text, str(hit.chunk_id), getattr(hit, "heading", ""))
+    header = getattr(hit, "header", "")  # a table's header row, when the hit holds rows without it
+    text = f"{header}\n{hit.text}" if header else hit.text
+    return ledger.add(doc_name(hit), getattr(hit, "page", None), text, str(hit.chunk_id), getattr(hit, "heading", ""))
 
 
 def add_page(ledger: SourceLedger, page: Any) -> Passage:
