@@ -51,6 +51,7 @@ META = re.compile(  # a sentence about where the answer was read, not part of it
 SENTENCES = re.compile(r"(?<=[.!?])[ \t]+(?=[A-Z`\"'(\[*-])|\n+")
 MARKERS = re.compile(r"\[\d{1,3}(?:\s*,\s*\d{1,3})*\]")
 LEADING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][\s.]*)+(?=\w)")  # markers before any word
+OPENING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][ \t]*)+")
 REFUSAL = "The documents I searched do not say."
 MAX_POINTERS = 3
 DIGIT_WORDS = {digits: word for word, digits in NUMBER_WORDS.items()}  # "2" -> "two"
@@ -118,7 +119,7 @@ def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) ->
     if answer.strip() and not says_anything(text):  # nothing but a copied passage header or a marker: no answer
         return Grounding(refusal(passages), (), True)
     kept, unsupported, stated, supported = [], [], 0, 0
-    for sentence in _sentences(text):
+    for sentence in _with_trailing_markers(_sentences(text)):
         found = facts(sentence)
         missing = [f for f in found if not evidence.holds(f)]
         supported += len(found) - len(missing)
@@ -162,6 +163,20 @@ def _sentences(text: str) -> list[str]:
         out += SENTENCES.split(text[last:block.start()]) + [block.group(0)]
         last = block.end()
     return [s for s in out + SENTENCES.split(text[last:]) if s and s.strip()]
+
+
+def _with_trailing_markers(sentences: list[str]) -> list[str]:
+    """A marker written after a sentence's full stop ("… is icons.xml. [3] The …") opens the next piece;
+    it is the earlier sentence's citation, so it moves back to it and is dropped or kept with it."""
+    out: list[str] = []
+    for piece in sentences:
+        opening = OPENING_MARKERS.match(piece)
+        if opening and out:
+            out[-1] = f"{out[-1].rstrip()} {opening.group(0).strip()}"
+            piece = piece[opening.end():]
+        if piece.strip():
+            out.append(piece)
+    return out
 
 
 def _fold(text: str) -> str:

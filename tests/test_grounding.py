@@ -47,6 +47,14 @@ def test_only_the_unsupported_sentence_is_dropped():
     assert g.text == "Use ASN1_DECODE_FLAG_ALLOW_PADDING [1]. It is handy."
 
 
+def test_the_markers_of_a_dropped_sentence_go_with_it_and_those_of_a_kept_one_stay():
+    answer = ("The file is icons.xml. [2] Use ASN1_DECODE_FLAG_ALLOW_PADDING with asn1Parser --check. [1] "
+              "It was added in 9.9. [1]")
+    g = ground(answer, evidence(), PASSAGES)
+    assert not g.refused and g.unsupported == ("icons.xml", "9.9")
+    assert g.text == "Use ASN1_DECODE_FLAG_ALLOW_PADDING with asn1Parser --check. [1]"
+
+
 def test_a_made_up_command_block_is_one_unsupported_claim():
     answer = "Run it like this:\n```bash\ndocker run -it --rm dejagnu\n```\nThat starts the tests."
     g = ground(answer, evidence(), PASSAGES)
