@@ -1,7 +1,7 @@
 """A passage that cuts a table: whole rows, the table's header, and one row per line for the model."""
 
 from assistant.citations import SourceLedger, flatten
-from ingest.retriever import Hit, whole_rows
+from ingest.retriever import Hit, PageText, Retriever, continued, whole_rows
 from tools.retrieval import add_hit
 
 PAGE = ("Benchmarks on one core.\n\n"
@@ -45,3 +45,30 @@ def test_a_hit_that_holds_the_header_or_no_table_is_left_alone():
 def test_flatten_joins_prose_and_keeps_table_rows_apart():
     assert flatten("one\n two  words\n\nthree") == "one two words three"
     assert flatten("Speeds:\n| a | 1 |\n| b | 2 |\nAfter the table.") == "Speeds:\n| a | 1 |\n| b | 2 |\nAfter the table."
+
+
+def test_a_short_hit_is_continued_along_its_page_to_a_line_break():
+    page = ("idn2_to_ascii_8z converts a domain name.\nThe output buffer must be freed.\n"
+            "When unsure, pass IDN2_NONTRANSITIONAL.\nSince: 2.0.0\nidn2_to_unicode_8z8z converts back.")
+    short = Hit("c1", "d1", "/docs/libidn2.pdf", 5, "", page[:41], 1.0, 0, 41)
+    out = continued(short, page, 120)
+    assert out.text == page[:out.end_char] and out.text.endswith("IDN2_NONTRANSITIONAL.")  # cut at a line end
+    assert continued(short, page, 40) == short  # long enough already
+    assert continued(short, page, 10_000).text == page  # the page ends first
+
+
+def test_readable_continues_short_hits_and_drops_one_a_continued_hit_already_holds():
+    page = "First line of the page.\nSecond line.\nThird line.\n"
+
+    class Pages(Retriever):
+        def __init__(self):
+            pass
+
+        def read(self, doc, pages=None):
+            return [PageText("d1", "/docs/a.md", 1, page)]
+
+    first = Hit("c1", "d1", "/docs/a.md", 1, "", page[:23], 1.0, 0, 23)
+    second = Hit("c2", "d1", "/docs/a.md", 1, "", page[24:36], 0.9, 24, 36)
+    out = Pages().readable([first, second], min_chars=40)
+    assert [h.chunk_id for h in out] == ["c1"] and out[0].text == page[:36]
+    assert Pages().readable([first, second]) == [first, second]  # nothing asked: the hits as they are

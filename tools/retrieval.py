@@ -34,6 +34,7 @@ from assistant.citations import Passage, SourceLedger, content_words, counted_no
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
+PASSAGE_CHARS = MAX_PASSAGE_CHARS  # a shorter hit is continued along its page to about this (see `readable`)
 MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
 DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
 DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
@@ -187,6 +188,10 @@ class ScopedRetriever:
     def documents(self) -> list[dict]:
         return [d for d in self.retriever.documents() if doc_id_of(d) in self.doc_ids] if self.doc_ids else []
 
+    def readable(self, hits: list[Any], min_chars: int = 0) -> list[Any]:
+        complete = getattr(self.retriever, "readable", None)  # the hits are in scope already
+        return complete(hits, min_chars) if callable(complete) else hits
+
     def read(self, doc: str, pages: list[int] | None = None) -> Sequence[Any]:
         """Pages of `doc` (a doc id, a path or a file name, resolved among the scope's documents only)."""
         return self.retriever.read(self._find(doc), pages)
@@ -224,6 +229,13 @@ def doc_id_of(record: dict) -> str:
     return str(record.get("doc_id") or record.get("path") or doc_name(record))
 
 
+def readable(retriever: Any, hits: list[Any]) -> list[Any]:
+    """Hits as the model reads them (ingest.retriever.Retriever.readable: continued to PASSAGE_CHARS,
+    tables with whole rows and their header); a retriever without that gives them as they are."""
+    complete = getattr(retriever, "readable", None)
+    return complete(hits, PASSAGE_CHARS) if callable(complete) else hits
+
+
 def add_hit(ledger: SourceLedger, hit: Any) -> Passage:
     header = getattr(hit, "header", "")  # a table's header row, when the hit holds rows without it
     text = f"{header}\n{hit.text}" if header else hit.text
@@ -238,8 +250,8 @@ def add_page(ledger: SourceLedger, page: Any) -> Passage:
 def search_passages(handle: RetrieverHandle, ledger: SourceLedger, query: str, *, k: int | None = None,
                     document: str | None = None) -> list[Passage]:
     filters = {"file_name": Path(document).name} if document else None
-    hits = handle.get().search(query, k or handle.top_k, filters)
-    return [add_hit(ledger, hit) for hit in hits]
+    retriever = handle.get()
+    return [add_hit(ledger, hit) for hit in readable(retriever, retriever.search(query, k or handle.top_k, filters))]
 
 
 def read_pages(handle: RetrieverHandle, document: str, pages: list[int] | None = None) -> list[Any]:
@@ -434,7 +446,7 @@ class DocumentPrefetch:
                 where = f"{doc_name(hit)} section {hit.heading or '(untitled)'}"
                 return Prefetched("read_section", {"document": doc_name(hit), "section": hit.heading},
                                   [p.render() for p in passages], where, count=True, texts=[p.text for p in passages])
-        hits = retriever.search(query, self.k, None)
+        hits = readable(retriever, retriever.search(query, self.k, None))
         asks_documents = DOCUMENT_WORDS.search(question) is not None
         wanted = content_words(query)
         passages = [add_hit(ledger, h) for h in hits if asks_documents or wanted & content_words(h.text)]
