@@ -132,22 +132,22 @@ class Retriever:
             hits = [h for _, h in sorted(zip(weight, hits), key=lambda pair: -pair[0])]  # stable: fused order within
         return distinct(hits)[:k]
 
-    def readable(self, hits: list[Hit], min_chars: int = 0) -> list[Hit]:
-        """`hits` as a reader should get them: a hit shorter than `min_chars` continued along its page
-        (`continued`), a table cut mid-row given whole rows and its header (`whole_rows`), and a hit
-        whose text a continued one above it already holds left out. One page read per page."""
+    def readable(self, hits: list[Hit]) -> list[Hit]:
+        """`hits` as a reader should get them: a table cut mid-row given whole rows and its header
+        (`whole_rows`), and a hit that a completed one above it already holds left out. One page read
+        per page with a table hit; `search` itself stays the raw ranking (and as fast)."""
         pages: dict[tuple[str, int], str] = {}
         out: list[Hit] = []
         for hit in hits:
             if any(h.doc_id == hit.doc_id and h.page == hit.page and h.start_char <= hit.start_char
                    and hit.end_char <= h.end_char for h in out):
                 continue
-            if len(hit.text) < min_chars or TABLE_ROW.search(hit.text):
+            if TABLE_ROW.search(hit.text):
                 key = (hit.doc_id, hit.page)
                 if key not in pages:
                     found = self.read(hit.doc_id, [hit.page])
                     pages[key] = found[0].text if found else ""
-                hit = whole_rows(continued(hit, pages[key], min_chars), pages[key])
+                hit = whole_rows(hit, pages[key])
             out.append(hit)
         return out
 
@@ -237,21 +237,6 @@ def distinct(hits: list[Hit]) -> list[Hit]:
             seen.add(key)
             out.append(hit)
     return out
-
-
-def continued(hit: Hit, page: str, min_chars: int) -> Hit:
-    """`hit` continued along its page to about `min_chars`, ending at a line break. A chunk is cut by
-    tokens, so the end of what it is about often opens the next one: a libidn2 function's "Since:
-    2.0.0" and its "when unsure, call it with IDN2_NONTRANSITIONAL and IDN2_NFC_INPUT" came 450
-    characters after the chunk that names the function ended."""
-    if len(hit.text) >= min_chars or page[hit.start_char:hit.end_char] != hit.text:
-        return hit
-    limit = min(len(page), hit.start_char + min_chars)
-    end = page.rfind("\n", hit.end_char, limit)
-    end = limit if limit == len(page) or end <= hit.end_char else end
-    if end <= hit.end_char:
-        return hit
-    return replace(hit, text=page[hit.start_char:end], end_char=end)
 
 
 def whole_rows(hit: Hit, page: str) -> Hit:

@@ -1,7 +1,7 @@
 """A passage that cuts a table: whole rows, the table's header, and one row per line for the model."""
 
 from assistant.citations import SourceLedger, flatten
-from ingest.retriever import Hit, PageText, Retriever, continued, whole_rows
+from ingest.retriever import Hit, PageText, Retriever, whole_rows
 from tools.retrieval import add_hit
 
 PAGE = ("Benchmarks on one core.\n\n"
@@ -47,28 +47,17 @@ def test_flatten_joins_prose_and_keeps_table_rows_apart():
     assert flatten("Speeds:\n| a | 1 |\n| b | 2 |\nAfter the table.") == "Speeds:\n| a | 1 |\n| b | 2 |\nAfter the table."
 
 
-def test_a_short_hit_is_continued_along_its_page_to_a_line_break():
-    page = ("idn2_to_ascii_8z converts a domain name.\nThe output buffer must be freed.\n"
-            "When unsure, pass IDN2_NONTRANSITIONAL.\nSince: 2.0.0\nidn2_to_unicode_8z8z converts back.")
-    short = Hit("c1", "d1", "/docs/libidn2.pdf", 5, "", page[:41], 1.0, 0, 41)
-    out = continued(short, page, 120)
-    assert out.text == page[:out.end_char] and out.text.endswith("IDN2_NONTRANSITIONAL.")  # cut at a line end
-    assert continued(short, page, 40) == short  # long enough already
-    assert continued(short, page, 10_000).text == page  # the page ends first
-
-
-def test_readable_continues_short_hits_and_drops_one_a_continued_hit_already_holds():
-    page = "First line of the page.\nSecond line.\nThird line.\n"
-
+def test_readable_completes_table_hits_and_drops_one_a_completed_hit_already_holds():
     class Pages(Retriever):
         def __init__(self):
             pass
 
         def read(self, doc, pages=None):
-            return [PageText("d1", "/docs/a.md", 1, page)]
+            return [PageText("d1", "/docs/README.md", 1, PAGE)]
 
-    first = Hit("c1", "d1", "/docs/a.md", 1, "", page[:23], 1.0, 0, 23)
-    second = Hit("c2", "d1", "/docs/a.md", 1, "", page[24:36], 0.9, 24, 36)
-    out = Pages().readable([first, second], min_chars=40)
-    assert [h.chunk_id for h in out] == ["c1"] and out[0].text == page[:36]
-    assert Pages().readable([first, second]) == [first, second]  # nothing asked: the hits as they are
+    start, end = PAGE.index("06 | 660 MB/s"), PAGE.index("4500 MB/s") + 4
+    inside = PAGE.index("| lz4 1.9.3")
+    prose = hit(PAGE.index("Decompression speed"), len(PAGE))
+    out = Pages().readable([hit(start, end), hit(inside, inside + 20), prose])
+    assert [h.text[:16] for h in out] == ["| lzo1x 2.10 -1 ", "Decompression sp"]  # the second is inside the first
+    assert out[0].header.startswith("| Compressor name |") and out[1] == prose

@@ -34,7 +34,6 @@ from assistant.citations import Passage, SourceLedger, content_words, counted_no
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
-PASSAGE_CHARS = MAX_PASSAGE_CHARS  # a shorter hit is continued along its page to about this (see `readable`)
 MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
 DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
 DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
@@ -188,9 +187,8 @@ class ScopedRetriever:
     def documents(self) -> list[dict]:
         return [d for d in self.retriever.documents() if doc_id_of(d) in self.doc_ids] if self.doc_ids else []
 
-    def readable(self, hits: list[Any], min_chars: int = 0) -> list[Any]:
-        complete = getattr(self.retriever, "readable", None)  # the hits are in scope already
-        return complete(hits, min_chars) if callable(complete) else hits
+    def readable(self, hits: list[Any]) -> list[Any]:
+        return readable(self.retriever, hits)  # the hits are in scope already
 
     def read(self, doc: str, pages: list[int] | None = None) -> Sequence[Any]:
         """Pages of `doc` (a doc id, a path or a file name, resolved among the scope's documents only)."""
@@ -230,10 +228,10 @@ def doc_id_of(record: dict) -> str:
 
 
 def readable(retriever: Any, hits: list[Any]) -> list[Any]:
-    """Hits as the model reads them (ingest.retriever.Retriever.readable: continued to PASSAGE_CHARS,
-    tables with whole rows and their header); a retriever without that gives them as they are."""
+    """Hits as the model reads them (ingest.retriever.Retriever.readable: a table with whole rows and
+    its header); a retriever without that gives them as they are."""
     complete = getattr(retriever, "readable", None)
-    return complete(hits, PASSAGE_CHARS) if callable(complete) else hits
+    return complete(hits) if callable(complete) else hits
 
 
 def add_hit(ledger: SourceLedger, hit: Any) -> Passage:
