@@ -161,10 +161,15 @@ ENGLISH_FUNCTION_WORDS = frozenset(
     "there here their they we our".split())
 
 
+def _words(text: str) -> list[str]:
+    """Lower-cased words, letters only ("don't" is one word), for the language checks below."""
+    return re.findall(r"[^\W\d_]+(?:'[^\W\d_]+)?", text.lower())
+
+
 def looks_english(text: str) -> bool:
     """At least 4 words, >= 15% of them English function words, < 10% with non-ASCII letters: then the
     fast head (English-trained MiniLM alone) is as good as the full one; otherwise the full head reads it."""
-    words = re.findall(r"[^\W\d_]+(?:'[^\W\d_]+)?", text.lower())
+    words = _words(text)
     if len(words) < 4:
         return False
     ascii_share = sum(w.isascii() for w in words) / len(words)
@@ -189,7 +194,7 @@ def looks_foreign(text: str) -> bool:
     """Most words in a non-Latin script, or more function words of another European language than of
     English (>= 15% of the words): text an English-only model (alt-profanity-check) cannot read. Short or
     unclear text ("trash talk my boss's ugly wife") is not foreign, so English models still read it."""
-    words = re.findall(r"[^\W\d_]+(?:'[^\W\d_]+)?", text.lower())
+    words = _words(text)
     if not words:
         return False
     if sum(not w.isascii() and not _latin(w) for w in words) / len(words) >= 0.5:
