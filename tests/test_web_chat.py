@@ -99,9 +99,12 @@ def stored_answer(assistant, conversation_id: str):
 
 
 def current_conversation(assistant, question: str) -> str:
-    found = [c for c in assistant.conversations.list() if question[:40] in (c.title or "")]
-    assert found, f"no stored conversation titled {question!r}"
-    return found[0].id
+    """The stored conversation whose title (the first question's first 60 characters) holds `question`'s
+    start, in any case: a transcript may come back as "what is the capital of germany"."""
+    titles = [(c.id, c.title or "") for c in assistant.conversations.list()]
+    found = [cid for cid, title in titles if question[:40].lower() in title.lower()]
+    assert found, f"no stored conversation titled {question!r} among {[t for _, t in titles]}"
+    return found[0]
 
 
 # 1 -------------------------------------------------------------------------------------------------
@@ -281,7 +284,7 @@ def test_spoken_question_shows_its_transcript(served, pw, tmp_path):
         assert "Berlin" in page.evaluate(LAST_BOT)
     finally:
         b.close()
-    cid = current_conversation(assistant, "What is the capital of Germany")
+    cid = current_conversation(assistant, "capital of Germany")  # the transcript's wording may vary
     user = [m for m in assistant.conversations.history(cid) if m.role == "user"][-1]
     assert user.content.lower().count("capital of germany") == 1 and user.meta.get("audio")
 
