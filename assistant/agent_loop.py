@@ -75,6 +75,7 @@ class AgentOptions:
     auto_retrieve: bool = True  # prefetch passages for the question before the first call (tools/retrieval.py)
     summarize_overflow: bool = False  # fold turns that no longer fit into a model-written summary (else drop them)
     max_observation_chars: int = 4000  # of one tool result shown to the model
+    check_answers: bool = True  # the large model re-reads a document answer's passages (assistant/answer_check.py)
 
 
 class Emitter:

@@ -15,7 +15,9 @@ Design note — the turn:
      store every FLUSH_INTERVAL_S;
   5. finalise: an answer over documents keeps only sentences whose facts the turn's texts hold
      (assistant/grounding.py; an answer with none left becomes a refusal), then its `[n]` markers are
-     verified against what was retrieved in this turn (Sources), the message is marked `complete`
+     verified against what was retrieved in this turn; a document answer the large model wrote is read
+     against the passages it cites once more (assistant/answer_check.py) and withdrawn for a refusal
+     when they do not answer the question (a Notice says so); then Sources, the message is marked `complete`
      with usage, steps, sources, route and memory in its meta, then Usage and Done.
   Our failures (engine, store, a tool backend that is down) become an Error event plus a Done with
   finish_reason "error"; the stored message keeps whatever text was produced, marked `error`.
@@ -34,10 +36,12 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from assistant.agent_loop import AgentLoop, AgentOptions, Prefetch, TurnState
+from assistant.answer_check import WITHDRAWN, cited_passages, passages_hold_answer
 from assistant.citations import SourceLedger, verify_citations
 from assistant.config import AssistantConfig
 from assistant.context import MAX_MEMORY_TOKENS
@@ -45,8 +49,8 @@ from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
 from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, Transcribed,
                               TurnEvent, TurnStarted, Usage)
-from assistant.grounding import Evidence, facts_held, ground
-from assistant.routing import Router
+from assistant.grounding import Evidence, facts_held, ground, refusal
+from assistant.routing import LARGE, Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
 from tools.registry import ToolRegistry
@@ -247,6 +251,11 @@ class Orchestrator:
             check = verify_citations(final, turn.ledger, facts=facts_held)
             final = check.text
             meta.update(check.to_meta())
+            if self._withdrawn(turn, user, [s.marker for s in check.sources], meta, cancel):
+                final = refusal(turn.ledger.passages)
+                check = replace(check, text=final, sources=())
+                meta.update(check.to_meta())
+                yield Notice(WITHDRAWN)
             if check.sources or check.dropped_markers:
                 yield Sources(check.sources, check.dropped_markers)
         if turn.memory is not None:
@@ -255,6 +264,21 @@ class Orchestrator:
         yield Usage(turn.prompt_tokens, turn.completion_tokens, turn.context_window, turn.dropped, turn.cached_tokens,
                     turn.num_calls, turn.breakdown)
         yield Done(cid, answer.id, final, turn.finish)
+
+    def _withdrawn(self, turn: TurnState, user: StoredMessage, markers: list[int], meta: dict[str, Any],
+                   cancel: threading.Event | None) -> bool:
+        """Whether the answer check (assistant/answer_check.py) withdraws a document answer the large
+        model wrote and grounding kept; its reply goes into `meta`."""
+        if not (self.options.check_answers and len(turn.ledger) and turn.route == LARGE and turn.finish == "stop"
+                and not meta.get("grounding_refusal") and isinstance(user.content, str)):
+            return False
+        try:
+            keep, reply = passages_hold_answer(self.router.large(), user.content,
+                                               cited_passages(markers, turn.ledger.passages), cancel=cancel)
+        except AssistantError:  # the check may only withdraw: without it the answer stands
+            return False
+        meta["answer_check"] = reply
+        return not keep
 
     def summarize(self, memory: str, messages: list[Message], max_tokens: int = MAX_MEMORY_TOKENS) -> str:
         """Fold `messages` (and the previous memory) into a short summary, written by the small model."""

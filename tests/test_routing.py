@@ -52,7 +52,9 @@ def test_documents_go_large(tmp_path):
     large = Large(["Seven years [1]."])
     orch, small = _orch(tmp_path, [], large, retriever=FakeRetriever(MANUAL))
     assert list(orch.run_turn(None, "warranty period?"))[-1].text == "Seven years [1]."
-    assert small.prompts == [] and len(large.prompts) == 1
+    # the answer, then the large model's check of it against the passage it cites (assistant/answer_check.py)
+    assert small.prompts == [] and len(large.prompts) == 2
+    assert "Does the passage contain the answer" in large.prompts[1][-1]["content"]
 
 
 def test_busy_large_model_falls_back_to_small_with_a_notice(tmp_path):

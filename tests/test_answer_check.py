@@ -1,0 +1,66 @@
+"""The answer check (assistant/answer_check.py): the large model re-reads the passages a document
+answer cites; a "no" withdraws the answer for a refusal, anything else keeps it."""
+
+from dataclasses import replace
+
+from assistant.agent_loop import AgentOptions
+from assistant.answer_check import WITHDRAWN, cited_passages
+from assistant.citations import Passage
+from assistant.engine.fake import ScriptedEngine
+from assistant.events import Notice, Sources
+from assistant.routing import Router, RoutingPolicy
+from tests.agent_fakes import MANUAL, FakeRetriever, make_orchestrator
+
+
+class Large(ScriptedEngine):
+    name = "large"
+
+
+def _turn(tmp_path, large_script, *, small_script=(), large=True, **options):
+    small, big = ScriptedEngine(list(small_script)), Large(list(large_script))
+    orch, _ = make_orchestrator(tmp_path, engine=small, retriever=FakeRetriever(MANUAL))
+    orch.router = Router(small, big if large else None, RoutingPolicy())
+    orch.options = replace(orch.options, **options)
+    events = list(orch.run_turn(None, "How long is the warranty period?"))
+    return orch, events, small, big
+
+
+def test_a_no_withdraws_the_answer_for_a_refusal_that_names_the_passages(tmp_path):
+    orch, events, _, big = _turn(tmp_path, ["The warranty is 7 years [1].", "no"])
+    done = events[-1]
+    assert done.text.startswith("The documents I searched do not say.") and "zephyr_manual.pdf" in done.text
+    assert any(isinstance(e, Notice) and e.message == WITHDRAWN for e in events)
+    assert not any(isinstance(e, Sources) and e.sources for e in events)  # nothing cited is left to show
+    stored = orch.store.get_message(done.message_id)
+    assert stored.content == done.text and stored.meta["answer_check"] == "no" and stored.meta["sources"] == []
+    check = big.prompts[1]
+    assert "Question: How long is the warranty period?" in check[-1]["content"]
+    assert "warranty period of 7 years" in check[-1]["content"]  # the passage the answer cited
+
+
+def test_a_yes_keeps_the_answer_and_its_sources(tmp_path):
+    orch, events, _, big = _turn(tmp_path, ["The warranty is 7 years [1].", "Yes"])
+    assert events[-1].text == "The warranty is 7 years [1]."
+    assert not any(isinstance(e, Notice) and e.message == WITHDRAWN for e in events)
+    assert [s.marker for e in events if isinstance(e, Sources) for s in e.sources] == [1]
+    assert orch.store.get_message(events[-1].message_id).meta["answer_check"] == "Yes"
+    assert len(big.prompts) == 2
+
+
+def test_the_check_failing_keeps_the_answer(tmp_path):
+    _, events, _, big = _turn(tmp_path, ["The warranty is 7 years [1]."])  # no reply left: EngineError
+    assert events[-1].text == "The warranty is 7 years [1]." and len(big.prompts) == 2
+
+
+def test_answers_of_the_small_model_and_a_switched_off_check_are_not_checked(tmp_path):
+    _, events, small, _ = _turn(tmp_path, [], small_script=["The warranty is 7 years [1]."], large=False)
+    assert events[-1].text == "The warranty is 7 years [1]." and len(small.prompts) == 1
+    _, events, _, big = _turn(tmp_path / "off", ["The warranty is 7 years [1]."], check_answers=False)
+    assert events[-1].text == "The warranty is 7 years [1]." and len(big.prompts) == 1
+
+
+def test_cited_passages_are_the_cited_ones_or_the_first():
+    passages = [Passage(i, "m.pdf", i, f"text {i}", f"c{i}") for i in (1, 2, 3)]
+    assert [p.marker for p in cited_passages([3, 1, 3], passages)] == [1, 3]
+    assert [p.marker for p in cited_passages([], passages)] == [1]
+    assert cited_passages([9], []) == []
