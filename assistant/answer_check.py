@@ -14,6 +14,11 @@ Design note — a second reading catches the nearby fact:
     passages): it said "no" to 5 of the 9 unanswerable ones answered anyway, and to 3 of 53 right
     answers. Asking whether the *answer* is stated in the passage caught 6 but cost 6 right ones; the
     0.5B model as checker said "no" to 11 of 53 right answers, so only the large model checks.
+  * Through the whole dev part (dev run at 9daaf50 against its stored answers): 3 unanswerable
+    questions refused that were answered before (zstd-014, sqldate-202, ninja-203), 2 wrong answers
+    refused; 5 right answers withdrawn, 2 of them follow-ups ("And what affinity does a column get
+    if no type is declared at all?"), which the check cannot read without the conversation, so a
+    follow-up (tools/retrieval.is_follow_up) is not checked.
   * "no" turns the answer into the refusal that names the closest passages (grounding.refusal), with
     a Notice saying why. Anything else (yes, a stray word, an engine error) keeps the answer: the
     check may only withdraw, never invent.

@@ -54,6 +54,7 @@ from assistant.routing import LARGE, Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
 from tools.registry import ToolRegistry
+from tools.retrieval import is_follow_up
 
 __all__ = ["AgentOptions", "Orchestrator"]
 
@@ -251,7 +252,8 @@ class Orchestrator:
             check = verify_citations(final, turn.ledger, facts=facts_held)
             final = check.text
             meta.update(check.to_meta())
-            if self._withdrawn(turn, user, [s.marker for s in check.sources], meta, cancel):
+            if self._withdrawn(turn, user, chat, [s.marker for s in check.sources], meta, cancel):
+                meta["withdrawn_answer"] = final  # kept for the record, not shown
                 final = refusal(turn.ledger.passages)
                 check = replace(check, text=final, sources=())
                 meta.update(check.to_meta())
@@ -265,12 +267,16 @@ class Orchestrator:
                     turn.num_calls, turn.breakdown)
         yield Done(cid, answer.id, final, turn.finish)
 
-    def _withdrawn(self, turn: TurnState, user: StoredMessage, markers: list[int], meta: dict[str, Any],
-                   cancel: threading.Event | None) -> bool:
+    def _withdrawn(self, turn: TurnState, user: StoredMessage, chat: list[Message], markers: list[int],
+                   meta: dict[str, Any], cancel: threading.Event | None) -> bool:
         """Whether the answer check (assistant/answer_check.py) withdraws a document answer the large
-        model wrote and grounding kept; its reply goes into `meta`."""
+        model wrote and grounding kept; its reply goes into `meta`. A follow-up ("And the second one?")
+        is not checked: the check reads the question alone."""
         if not (self.options.check_answers and len(turn.ledger) and turn.route == LARGE and turn.finish == "stop"
                 and not meta.get("grounding_refusal") and isinstance(user.content, str)):
+            return False
+        asked = [str(m["content"]) for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        if is_follow_up(user.content, asked):
             return False
         try:
             keep, reply = passages_hold_answer(self.router.large(), user.content,

@@ -33,6 +33,7 @@ def test_a_no_withdraws_the_answer_for_a_refusal_that_names_the_passages(tmp_pat
     assert not any(isinstance(e, Sources) and e.sources for e in events)  # nothing cited is left to show
     stored = orch.store.get_message(done.message_id)
     assert stored.content == done.text and stored.meta["answer_check"] == "no" and stored.meta["sources"] == []
+    assert stored.meta["withdrawn_answer"] == "The warranty is 7 years [1]."
     check = big.prompts[1]
     assert "Question: How long is the warranty period?" in check[-1]["content"]
     assert "warranty period of 7 years" in check[-1]["content"]  # the passage the answer cited
@@ -64,3 +65,14 @@ def test_cited_passages_are_the_cited_ones_or_the_first():
     assert [p.marker for p in cited_passages([3, 1, 3], passages)] == [1, 3]
     assert [p.marker for p in cited_passages([], passages)] == [1]
     assert cited_passages([9], []) == []
+
+
+def test_a_follow_up_is_not_checked_the_check_reads_the_question_alone(tmp_path):
+    orch, events, _, big = _turn(tmp_path, ["The warranty is 7 years [1].", "yes", "From the date of purchase [1].",
+                                            "Rooms up to 40 square metres [1].", "yes"])
+    cid = events[-1].conversation_id
+    follow = list(orch.run_turn(cid, "And from when does it count?"))
+    assert follow[-1].text == "From the date of purchase [1]." and len(big.prompts) == 3  # no check after the follow-up
+    other = list(orch.run_turn(cid, "How big a room does the Zephyr X2 purifier handle?"))  # a question of its own
+    assert other[-1].text == "Rooms up to 40 square metres [1]." and len(big.prompts) == 5
+    assert "Does the passage contain the answer" in big.prompts[4][-1]["content"]

@@ -370,9 +370,13 @@ def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
     """The search query for `question`: a follow-up ("and the second one?", "what does it return?",
     "since which version?": a pronoun, or one content word at most) is searched together with the
     user's previous question, which holds what "it" refers to."""
-    if history and (FOLLOW_UP.search(question) or len(content_words(question) - ASKING_WORDS) <= 1):
-        return f"{history[-1]} {question}"
-    return question
+    return f"{history[-1]} {question}" if is_follow_up(question, history) else question
+
+
+def is_follow_up(question: str, history: Sequence[str] = ()) -> bool:
+    """Whether `question` leans on the previous one: there is one, and it has a pronoun or at most
+    one content word of its own."""
+    return bool(history) and bool(FOLLOW_UP.search(question) or len(content_words(question) - ASKING_WORDS) <= 1)
 
 
 NAMED_SECTION = re.compile(r"[\'\"\u2018\u201c]([^\'\"\u2019\u201d]{3,80})[\'\"\u2019\u201d]|"
