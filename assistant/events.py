@@ -129,6 +129,7 @@ class Usage(TurnEvent):
 class Notice(TurnEvent):
     type: ClassVar[str] = "notice"
     message: str  # something the user should know (model fallback, truncated history, ...)
+    replaces_answer: str = ""  # the text that now stands instead of the streamed answer (a withdrawn one)
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,7 @@ class Orchestrator:
                 final = refusal(turn.ledger.passages)
                 check = replace(check, text=final, sources=())
                 meta.update(check.to_meta())
-                yield Notice(WITHDRAWN)
+                yield Notice(WITHDRAWN, replaces_answer=final)
             if check.sources or check.dropped_markers:
                 yield Sources(check.sources, check.dropped_markers)
         if turn.memory is not None:

@@ -76,3 +76,35 @@ def test_a_follow_up_is_not_checked_the_check_reads_the_question_alone(tmp_path)
     other = list(orch.run_turn(cid, "How big a room does the Zephyr X2 purifier handle?"))  # a question of its own
     assert other[-1].text == "Rooms up to 40 square metres [1]." and len(big.prompts) == 5
     assert "Does the passage contain the answer" in big.prompts[4][-1]["content"]
+
+
+def test_a_streaming_v1_client_is_told_the_answer_was_withdrawn_and_gets_what_stands(tmp_path):
+    """/v1 streaming clients read only content deltas: the withdrawn answer is already theirs, so the
+    withdrawal and the refusal come after it as content."""
+    import json
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from assistant.engine.base import SamplingParams
+    from assistant.events import Done, TextDelta
+    from assistant.server.assistant_model import assistant_completion
+
+    refusal = "The documents I searched do not say. The closest passages I found are in m.pdf p. 2."
+
+    class Withdrawing:
+        conversations = SimpleNamespace(start=lambda history, title="": "c1")
+
+        def turn(self, cid, user_input, **kw):
+            yield TextDelta("The default level is 1 [1].")
+            yield Notice(WITHDRAWN, replaces_answer=refusal)
+            yield Done(cid, "m1", refusal, "stop")
+
+    app = FastAPI()
+    app.post("/v1")(lambda: assistant_completion(Withdrawing(), [{"role": "user", "content": "Default level?"}],
+                                                 SamplingParams(), True))
+    body = TestClient(app).post("/v1").text
+    content = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                      for line in body.splitlines() if line.startswith("data: {") and '"choices"' in line)
+    assert content == f"The default level is 1 [1].\n\n{WITHDRAWN}\n{refusal}"

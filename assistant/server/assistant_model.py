@@ -64,7 +64,7 @@ class TurnTally:
 def assistant_completion(assistant: Any, messages: list[dict], params: Any, stream: bool, *, ticket: Any = None,
                          gateway: Any = None, metrics: Any = None, images: list[bytes] = ()) -> Any:
     """`images`: the last message's pictures, which the turn describes and keeps with the question."""
-    from assistant.events import Done, Error, Sources, TextDelta
+    from assistant.events import Done, Error, Notice, Sources, TextDelta
     from assistant.seams import Attachment, UserInput
 
     *history, last = messages
@@ -102,6 +102,10 @@ def assistant_completion(assistant: Any, messages: list[dict], params: Any, stre
                         yield chunk(cid, ASSISTANT_MODEL, {"content": event.text}, None)
                     elif isinstance(event, Error):
                         yield f"data: {json.dumps(error_body(event.message, 'server_error'))}\n\n"
+                    elif isinstance(event, Notice) and event.replaces_answer:  # a client that reads only
+                        # the content deltas has the withdrawn answer: it is told, and given what stands now
+                        text = f"\n\n{event.message}\n{event.replaces_answer}"
+                        yield chunk(cid, ASSISTANT_MODEL, {"content": text}, None)
                     elif not isinstance(event, Done):  # sources, tool steps, ...: extra events clients ignore
                         yield f"event: assistant.{event.type}\ndata: {json.dumps(event.to_dict(), default=str)}\n\n"
                     else:
