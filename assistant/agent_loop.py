@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 from assistant.citations import SourceLedger
 from assistant.compound import question_parts
 from assistant.config import AssistantConfig
-from assistant.context import ContextPlan, PromptParts, fit_prompt, passages_block
+from assistant.context import ContextPlan, PromptParts, fit_prompt, passages_block, user_questions
 from assistant.counting import (LIST_ITEMS, MAX_ITEMS, MIN_LISTED, count_answer, counted_noun, listed_items,
                                 section_items, supported_items)
 from assistant.engine.base import Engine, Message, SamplingParams
@@ -218,7 +218,7 @@ class AgentLoop:
         own = len(chat) if own is None else own
         by_name = {t.name: t for t in tools}
         ctx = ToolContext(turn.cid, turn.ledger, extra={SCOPE: turn.scope})
-        history = [m["content"] for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        history = user_questions(chat)
         context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
         if found is not None and found.count and context:
             if (yield from self._count(turn, user, found, emitter, context, params, cancel)):

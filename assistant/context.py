@@ -72,6 +72,11 @@ def split_turns(history: Sequence[Message]) -> list[list[Message]]:
     return turns
 
 
+def user_questions(chat: Sequence[Message]) -> list[str]:
+    """The user's text questions in `chat`, oldest first (what a follow-up leans on)."""
+    return [m["content"] for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
+
+
 def memory_message(memory: str) -> Message:
     return {"role": "system", "content": f"Summary of the earlier conversation:\n{memory}"}
 

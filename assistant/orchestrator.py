@@ -44,7 +44,7 @@ from assistant.agent_loop import AgentLoop, AgentOptions, Prefetch, TurnState
 from assistant.answer_check import WITHDRAWN, cited_passages, passages_hold_answer
 from assistant.citations import SourceLedger, verify_citations
 from assistant.config import AssistantConfig
-from assistant.context import MAX_MEMORY_TOKENS
+from assistant.context import MAX_MEMORY_TOKENS, user_questions
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
 from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, Transcribed,
@@ -275,8 +275,7 @@ class Orchestrator:
         if not (self.options.check_answers and len(turn.ledger) and turn.route == LARGE and turn.finish == "stop"
                 and not meta.get("grounding_refusal") and isinstance(user.content, str)):
             return False
-        asked = [str(m["content"]) for m in chat if m.get("role") == "user" and isinstance(m.get("content"), str)]
-        if is_follow_up(user.content, asked):
+        if is_follow_up(user.content, user_questions(chat)):
             return False
         try:
             keep, reply = passages_hold_answer(self.router.large(), user.content,
