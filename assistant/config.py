@@ -67,6 +67,9 @@ class EngineConfig:
     # reads and twice the tokens in kv_cache_mb; engine/native.py has the measured agreement and speed)
     kv_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block (prefix cache granularity)
+    # on CUDA, decode steps replay captured CUDA graphs (engine/cuda_graphs.py); prompt-lookup speculation is off
+    # there (its verify steps would run eager); false = every step eager, as on CPU
+    cuda_graphs: bool = True
     max_num_seqs: int = 16  # requests decoded together in one batch
     max_batched_tokens: int = 512  # tokens computed per engine step
     max_prefill_chunk: int = 64  # upper bound on prefill tokens per step while others stream (tuned below it)

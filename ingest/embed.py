@@ -73,10 +73,10 @@ class HashEmbedder(Embedder):
 
 
 class SentenceTransformerEmbedder(Embedder):
-    """A sentence-transformers model directory, loaded offline on CPU (or the given device)."""
+    """A sentence-transformers model directory, loaded offline; `device` "auto" is CUDA where present, else CPU."""
 
     def __init__(self, model_dir: str | Path, *, name: str | None = None, num_threads: int = 0,
-                 batch_size: int = 32, device: str = "cpu") -> None:
+                 batch_size: int = 32, device: str = "auto") -> None:
         try:
             import torch
             from sentence_transformers import SentenceTransformer
@@ -86,6 +86,8 @@ class SentenceTransformerEmbedder(Embedder):
             set_torch_threads(num_threads)  # 0: leave torch's setting alone (in `serve` the engine owns it)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         _quiet_transformers()
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             self.model = SentenceTransformer(str(model_dir), device=device, local_files_only=True)
         except Exception as e:

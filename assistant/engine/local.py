@@ -42,7 +42,7 @@ import numbers
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 from assistant.config import AssistantConfig, EngineConfig
@@ -55,6 +55,7 @@ from assistant.engine.base import (
     SamplingParams,
     TokenDelta,
 )
+from assistant.engine.cuda_graphs import DecodeGraphs
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
 from assistant.engine.kv_cache import BlockManager, KVCache
 from assistant.engine.draft import DraftSpeculator
@@ -150,10 +151,16 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         kv_dtype = self.model.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
         per_token = KVCache.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype)
         num_blocks = max(2, config.kv_cache_mb * 2**20 // (per_token * config.block_size))
-        self.kv = KVCache(args.num_layers, num_blocks, config.block_size, args.num_kv_heads, args.head_dim,
+        graphs = config.cuda_graphs and loaded.device.type == "cuda"
+        # with graphs, one block more than the block manager hands out: the padding rows' scratch block
+        self.kv = KVCache(args.num_layers, num_blocks + (1 if graphs else 0), config.block_size, args.num_kv_heads, args.head_dim,
                           kv_dtype, loaded.device, compute_dtype=self.model.dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, enable_prefix_cache=config.prefix_cache)
         self.context_window = min(loaded.context_window, num_blocks * config.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv, scratch_block=num_blocks, max_batch=config.max_num_seqs,
+                                   max_len=self.context_window) if graphs else None
+        if graphs and draft is None and config.speculation == "prompt_lookup":
+            config = replace(config, speculation="off")  # verify steps are not graphed: plain graphed decode wins
         self.speculator = self._speculator(config, draft, num_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_batched_tokens,
                                                    config.max_prefill_chunk, config.max_waiting), self.blocks,
@@ -200,6 +207,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             out.update({"spec_verify_steps": p.num_verify_steps, "spec_drafted": p.num_drafted,
                         "spec_accepted": p.num_accepted, "spec_acceptance_rate": round(p.acceptance_rate, 4),
                         "spec_tokens_per_step": round(p.mean_tokens_per_step, 3)})
+        if self.graphs is not None:
+            out.update(self.graphs.stats())
         return out
 
     # -- requests ---------------------------------------------------------------------------------
@@ -359,6 +368,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         cannot be built (say a token id outside the vocabulary slipped past `submit`) is failed and
         left out of the step. None when nothing is left to run."""
         vocab = self.model.args.vocab_size
+        graphed = self.graphs is not None and len(scheduled) <= self.graphs.max_batch and all(
+            n == 1 and not r.draft_ids for r, n in scheduled)  # a plain decode step: no slot tensors needed
         kept: list[tuple[Request, int]] = []
         tokens: list[int] = []
         positions: list[int] = []
@@ -369,8 +380,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                 new = (r.all_ids + r.draft_ids)[start:start + n]
                 if len(new) != n or not all(isinstance(t, int) and 0 <= t < vocab for t in new):
                     raise ValueError(f"invalid token ids for positions {start}..{start + n - 1}")
-                seq = SeqBatch(len(tokens), n, start + n, self.kv.slots(r.block_table, start + n), len(r.prompt_ids),
-                               num_logits=1 + len(r.draft_ids))
+                slots = None if graphed else self.kv.slots(r.block_table, start + n)
+                seq = SeqBatch(len(tokens), n, start + n, slots, len(r.prompt_ids), num_logits=1 + len(r.draft_ids))
             except Exception as e:
                 log.exception("request %s failed while building its step inputs", r.request_id)
                 self._fail(r, self._error("This request failed", e))
@@ -385,6 +396,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                  seqs: list[SeqBatch]) -> Any:
         torch = self._torch
         with torch.inference_mode():
+            if seqs[0].kv_slots is None:  # `_inputs` found a plain decode step: replay its CUDA graph
+                return self.graphs.run(tokens, positions, [r.block_table for r, _ in scheduled])
             return self.model.forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), seqs, self.kv,
                                       greedy=[r.params.temperature == 0 for r, _ in scheduled])

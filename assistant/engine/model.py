@@ -73,6 +73,8 @@ ATTEND_MAX_QUERIES = 16  # native attention up to this many new tokens of a sequ
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda:  # one fused kernel (fp32 accumulation), where the ops below would launch five
+        return F.rms_norm(x, weight.shape, weight, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight  # F.rms_norm: 2x slower on CPU
 
 
@@ -98,7 +100,8 @@ class SeqBatch:
     start: int  # offset of its new tokens in the flat token tensor
     num_new: int  # new tokens this step (a prefill chunk, or 1 when decoding)
     context_len: int  # tokens in its KV after this step (cached + new)
-    kv_slots: torch.Tensor  # (context_len,) cache slot of every context position, oldest first
+    kv_slots: torch.Tensor | None  # (context_len,) cache slot of every context position, oldest first (None: a
+    # graphed decode step, which reads block tables instead: local.py, cuda_graphs.py)
     prompt_len: int = 0  # positions below this are prompt tokens (prefill kernel for int8)
     num_logits: int = 1  # logits rows wanted: at its last `num_logits` new tokens (1 + drafts when verifying)
 
@@ -243,6 +246,27 @@ class Transformer:
                             device=h.device)
         return norm(h[last], self.norm)
 
+    def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, new_slots: torch.Tensor,
+                      gather: torch.Tensor, bias: torch.Tensor, kv: Any) -> torch.Tensor:
+        """One decode step of B sequences, one new token each, in PyTorch ops of fixed shapes (what
+        cuda_graphs.py captures): tokens, positions, new_slots (B,); gather (B, L) the cache slot of
+        each row's context positions, padded to L; bias (B, 1, 1, L) 0 where a position is in the row's
+        context, -inf past it. Writes the new keys/values, returns the normalized hidden state (B, D)."""
+        a = self.args
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        cos = self.cos[positions].unsqueeze(1) * self.head_scale  # (B, H + KVH, hd): queries pre-scaled
+        sin = self.sin[positions].unsqueeze(1) * self.head_scale
+        h = self.embed[tokens]
+        for i, layer in enumerate(self.layers):
+            qkv = layer["qkv"](rms_norm(h, layer["attn_norm"], a.rms_eps))
+            qk = apply_rope(qkv[:, :q_size + kv_size].view(-1, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
+            kv.write(i, new_slots, qk[:, a.num_heads:], qkv[:, q_size + kv_size:].view(-1, a.num_kv_heads, a.head_dim))
+            out = paged_decode_attention(qk[:, :a.num_heads], kv.k[i], kv.v[i], gather, bias)
+            h = h + layer["o"](out.reshape(-1, q_size))
+            gate, up = layer["gate_up"](rms_norm(h, layer["mlp_norm"], a.rms_eps)).chunk(2, dim=-1)
+            h = h + layer["down"](F.silu(gate) * up)
+        return rms_norm(h, self.norm, a.rms_eps)
+
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rowwise: bool = False) -> torch.Tensor:
     """q (n, H, hd) are the last n positions of a context whose k, v are (ctx, KVH, hd) -> (n, H, hd).
@@ -264,3 +288,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rowwise: boo
     # causal, aligned bottom-right: query j sees keys 0 .. ctx - n + j
     mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True, scale=1.0).transpose(0, 1)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
+                           bias: torch.Tensor) -> torch.Tensor:
+    """q (B, H, hd), one query per row, already scaled; k_cache/v_cache (slots, KVH, hd); gather (B, L)
+    slots of each row's context; bias (B, 1, 1, L) masks the padding -> (B, H, hd).
+
+    Every row reads L positions whatever its own length (fixed shapes, so a CUDA graph can replay it):
+    cuda_graphs.py keeps L to the smallest bucket that holds the longest row of the step. Scores and
+    softmax in fp32, as HF's kernels accumulate."""
+    b, heads, hd = q.shape
+    kv_heads = k_cache.size(1)
+    k = k_cache[gather].to(q.dtype).permute(0, 2, 3, 1)  # (B, KVH, hd, L)
+    v = v_cache[gather].to(q.dtype).transpose(1, 2)  # (B, KVH, L, hd)
+    scores = torch.matmul(q.view(b, kv_heads, heads // kv_heads, hd), k).float() + bias  # (B, KVH, G, L)
+    return torch.matmul(scores.softmax(-1).to(q.dtype), v).view(b, heads, hd)
