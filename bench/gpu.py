@@ -127,6 +127,20 @@ def hf_rate(model, prompt, n) -> tuple[float, list[int]]:
     return (n - 1) / (min(t for t, _ in runs) - one), runs[0][1]
 
 
+def replay_ms(graphs, rows: int, length: int, n: int = 50) -> float:
+    """GPU time of one replay of a captured decode graph (padding rows only: it writes the scratch block)."""
+    graph = (graphs._graphs.get((rows, length)) or graphs._build(rows, length)).graph
+    graphs._load([], [], [], [], rows, length)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def engine_config(**overrides) -> EngineConfig:
     base = dict(max_num_seqs=128, max_batched_tokens=4096, max_prefill_chunk=512, kv_cache_mb=8192 if DEVICE == "cuda" else 256,
                 max_waiting=256, speculation="off")
@@ -168,6 +182,10 @@ def measure(shape: str, bandwidth: float, dtype: torch.dtype) -> dict[str, objec
             ours.extend(delta.token_ids)
         row["greedy_match_vs_hf"] = next((i for i, (x, y) in enumerate(zip(ours, hf_tokens)) if x != y), 64)
         row.update({k: v for k, v in engine.stats().items() if k in ("cuda_graphs", "graph_replays")})
+        if engine.graphs is not None:  # the GPU's share of a step: replays alone, against the engine's step
+            row["replay_ms_batch1"] = round(replay_ms(engine.graphs, 1, 512), 3)
+            row["step_ms_batch1"] = round(1e3 / rate, 3)
+            row["replay_ms_batch128"] = round(replay_ms(engine.graphs, 128, 512), 3)
     finally:
         engine.close()
     eager = LocalEngine(loaded, engine_config(cuda_graphs=False, max_num_seqs=8))

@@ -204,8 +204,8 @@ class Transformer:
         else:
             norm = lambda x, w: rms_norm(x, w, a.rms_eps)  # noqa: E731
             # queries and keys are rotated together; the queries' softmax scale rides on their tables
-            cos = self.cos[positions].unsqueeze(1) * self.head_scale  # (T, H + KVH, hd)
-            sin = self.sin[positions].unsqueeze(1) * self.head_scale
+            cos = (self.cos[positions].unsqueeze(1) * self.head_scale).to(self.dtype)  # (T, H + KVH, hd)
+            sin = (self.sin[positions].unsqueeze(1) * self.head_scale).to(self.dtype)
         h = self.embed[tokens]  # (T, D)
         stacked = self.stack is not None and native_attention
         if stacked:  # the loop below, in one native call
@@ -254,8 +254,8 @@ class Transformer:
         context, -inf past it. Writes the new keys/values, returns the normalized hidden state (B, D)."""
         a = self.args
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        cos = self.cos[positions].unsqueeze(1) * self.head_scale  # (B, H + KVH, hd): queries pre-scaled
-        sin = self.sin[positions].unsqueeze(1) * self.head_scale
+        cos = (self.cos[positions].unsqueeze(1) * self.head_scale).to(self.dtype)  # (B, H + KVH, hd): queries
+        sin = (self.sin[positions].unsqueeze(1) * self.head_scale).to(self.dtype)  # pre-scaled; in bf16 as HF's
         h = self.embed[tokens]
         for i, layer in enumerate(self.layers):
             qkv = layer["qkv"](rms_norm(h, layer["attn_norm"], a.rms_eps))
