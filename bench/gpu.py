@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from assistant.config import EngineConfig  # noqa: E402
 from assistant.engine.base import SamplingParams  # noqa: E402
 from assistant.engine.local import LocalEngine  # noqa: E402
 from assistant.engine.stand_in import random_model  # noqa: E402
+from engine import decode_only_rate  # noqa: E402  (bench/engine.py: the CPU figures' same measure)
 
 
 DEVICE = "cuda"  # --device cpu: a smoke run of this script's logic where there is no GPU (figures meaningless)
@@ -89,18 +89,8 @@ def decode_rate(engine, prompt, n) -> float:
 
 
 def concurrent_rate(engine, prompts, n) -> float:
-    stamps: list[list[float]] = [[] for _ in prompts]
-
-    def run(i):
-        stamps[i] = stream(engine, prompts[i], n)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    t0, t1 = max(s[0] for s in stamps), min(s[-1] for s in stamps)
-    return sum(1 for s in stamps for t in s if t0 < t <= t1) / (t1 - t0)
+    """Aggregate tok/s of len(prompts) greedy requests of n tokens, in the window where all decode."""
+    return decode_only_rate(engine, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
 
 
 def ttft(engine, prompt) -> float:

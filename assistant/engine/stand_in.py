@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# config.json of the packaged Qwen2.5 models (data/models/*/config.json), shape fields only
+# the Qwen2.5 releases' config.json, shape fields only. The packaged GGUF conversions keep the output matrix
+# apart from the embedding (tie_word_embeddings false): a decode step reads the same bytes either way
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
