@@ -119,7 +119,8 @@ def hf_rate(model, prompt, n) -> tuple[float, list[int]]:
 
 def replay_ms(graphs, rows: int, length: int, n: int = 50) -> float:
     """GPU time of one replay of a captured decode graph (padding rows only: it writes the scratch block)."""
-    graph = (graphs._graphs.get((rows, length)) or graphs._build(rows, length)).graph
+    graph = graphs._graphs.get((rows, length)) or graphs._build(rows, length)
+    graph = graph.graph
     graphs._load([], [], [], [], rows, length)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -208,7 +208,8 @@ def tiny_sentence_model(path):
     from sentence_transformers import SentenceTransformer, models
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a kill process shoot photo run script page table".split()
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words += "the a kill process shoot photo run script page table".split()
     (path / "vocab.txt").write_text("\n".join(words) + "\n")
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,

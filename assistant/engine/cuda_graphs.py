@@ -92,7 +92,8 @@ class DecodeGraphs:
         return (self.batches[bisect.bisect_left(self.batches, num_rows)],
                 self.lengths[bisect.bisect_left(self.lengths, max_context)])
 
-    def run(self, tokens: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+    def run(self, tokens: Sequence[int], positions: Sequence[int],
+            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """One decode step: row r feeds tokens[r] at positions[r] (so its context is positions[r] + 1
         tokens, the last written now) with block table block_tables[r] -> logits (len(tokens), V) fp32."""
         n = len(tokens)

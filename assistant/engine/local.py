@@ -153,8 +153,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         num_blocks = max(2, config.kv_cache_mb * 2**20 // (per_token * config.block_size))
         graphs = config.cuda_graphs and loaded.device.type == "cuda"
         # with graphs, one block more than the block manager hands out: the padding rows' scratch block
-        self.kv = KVCache(args.num_layers, num_blocks + (1 if graphs else 0), config.block_size, args.num_kv_heads, args.head_dim,
-                          kv_dtype, loaded.device, compute_dtype=self.model.dtype)
+        self.kv = KVCache(args.num_layers, num_blocks + (1 if graphs else 0), config.block_size, args.num_kv_heads,
+                          args.head_dim, kv_dtype, loaded.device, compute_dtype=self.model.dtype)
         self.blocks = BlockManager(num_blocks, config.block_size, enable_prefix_cache=config.prefix_cache)
         self.context_window = min(loaded.context_window, num_blocks * config.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv, scratch_block=num_blocks, max_batch=config.max_num_seqs,
