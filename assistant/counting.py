@@ -7,10 +7,14 @@ Design note — counting over a whole section:
   questions, three prompt wordings). So a counting question takes its own path, and the counting is
   done in code over the structure of the section the question is about (tools/retrieval.py reads that
   whole section, across pages):
-    1. `item_lists` finds the section's lists: runs of table rows (header and rule rows left out),
-       bulleted or numbered items (a line ending in ":" between them starts a new list), command-line
-       options, or a label line that repeats ("[Return code]", each item being the line after it),
-       each with its lead-in (the lines before its first item);
+    1. `item_lists` finds the section's lists: runs of table rows (header, rule and empty rows left
+       out), bulleted or numbered items (a line ending in ":" between them starts a new list),
+       command-line options, or a label line that repeats ("[Return code]", each item being the line
+       after it), each with its lead-in (the lines before its first item). Definition lists (a short
+       term line, then its description, as an HTML <dl> parses) were tried: on the dev part they
+       found NINJA_STATUS's 10 placeholders, but the passages shown held 3 of them, and Ninja's
+       variable reference, where subsection headings alternate with paragraphs like terms, became one
+       list across sections (ninja-016 lost, none won);
     2. `section_items` takes the list the question counts, and only one that something names: a
        lead-in that names the counted noun ("Some subclass rules are implicit:"), a table whose first
        header names it, an option list for "options"/"flags", or, failing those, the section's
@@ -45,7 +49,8 @@ LIST_ITEMS = ("{question}\n\nDo not answer with a number. Copy out every item th
 
 
 TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$")
-TABLE_RULE = re.compile(r"^\s*\|?[\s:|-]+\|[\s:|-]*$")
+TABLE_RULE = re.compile(r"^\s*\|?[\s:|]*-[\s:|-]*\|[\s:|-]*$")  # "|---|:--|", not "| | |" (an empty row)
+EMPTY_ROW = re.compile(r"^[\s|]*$")
 OPTION = re.compile(r"^\s*-{1,2}[A-Za-z0-9]")
 MIN_ITEMS = 2
 MAX_WRAPS = 3  # continuation lines one list item may wrap onto
@@ -118,7 +123,7 @@ def item_lists(text: str) -> list[ItemList]:
         j = i
         while j < len(lines) and TABLE_ROW.match(lines[j]):
             j += 1
-        rows = [line for line in lines[i:j] if not TABLE_RULE.match(line)]
+        rows = [line for line in lines[i:j] if not TABLE_RULE.match(line) and not EMPTY_ROW.match(line)]
         ruled = any(TABLE_RULE.match(line) for line in lines[i:j])
         header = rows[0].strip("|").split("|")[0] if ruled and rows else ""
         out.append(ItemList("table", rows[1:] if ruled else rows, lead_in(lines, i), header))

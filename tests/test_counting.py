@@ -219,3 +219,11 @@ def test_a_turn_cancelled_while_the_model_lists_ends_without_an_answer(tmp_path)
                                                 cancel=cancel))[-1]
     assert isinstance(done, Done) and done.finish_reason == "cancelled" and done.text == ""
     assert len(engine.prompts) == 1  # no second call after the cancelled listing
+
+
+def test_an_empty_first_table_row_is_neither_a_rule_nor_an_item():
+    # SQLite's strftime() table parses with a row of empty cells where a header would be
+    table = ("The following is a complete list of valid strftime() substitutions:\n| | | |\n"
+             "| %d | | day of month: 00 |\n| %f | | fractional seconds |\n| %H | | hour: 00-24 |")
+    assert section_items(table, "substitutions") == ["%d | | day of month: 00", "%f | | fractional seconds",
+                                                     "%H | | hour: 00-24"]
