@@ -7,7 +7,7 @@ records the step's kernels once and replays them with one launch.
 
 Design (one `DecodeGraphs` per engine, owned by the engine thread):
   * A graph has fixed shapes, so steps are padded: B rows to the next batch bucket (1, 2, 4, 8, 16,
-    24, 32, 48, 64, 96, 128, ... up to engine.max_num_seqs) and the context to the next length
+    20, 24, 28, 32, 40, 48, ..., 112, 128, ... up to engine.max_num_seqs) and the context to the next length
     bucket (256, 512, ... up to the context window). One graph per (batch, length) pair, captured on
     first use; all of them draw on one memory pool, and every graph's output stays referenced, so a
     replay never overwrites another graph's live tensors (replays are sequential: one engine thread).
@@ -39,7 +39,7 @@ def batch_buckets(max_batch: int) -> list[int]:
     """Padded batch sizes: powers of two up to 16, then steps of a quarter of the power below."""
     sizes = [1, 2, 4, 8, 16]
     while sizes[-1] < max_batch:
-        step = 1 << (sizes[-1].bit_length() - 3)  # 24, 32, 40, 48, 64, 80, 96, 112, 128, ...
+        step = 1 << (sizes[-1].bit_length() - 3)  # 20, 24, 28, 32, 40, 48, 56, 64, 80, ...
         sizes.append(sizes[-1] + step)
     return [s for s in sizes if s < max_batch] + [max_batch]
 
@@ -84,9 +84,6 @@ class DecodeGraphs:
     @property
     def max_batch(self) -> int:
         return self.batches[-1]
-
-    def fits(self, num_rows: int, max_context: int) -> bool:
-        return num_rows <= self.batches[-1] and max_context <= self.lengths[-1]
 
     def bucket(self, num_rows: int, max_context: int) -> tuple[int, int]:
         return (self.batches[bisect.bisect_left(self.batches, num_rows)],
