@@ -7,8 +7,8 @@ records the step's kernels once and replays them with one launch.
 
 Design (one `DecodeGraphs` per engine, owned by the engine thread):
   * A graph has fixed shapes, so steps are padded: B rows to the next batch bucket (1, 2, 4, 8, 16,
-    20, 24, 28, 32, 40, 48, ..., 112, 128, ... up to engine.max_num_seqs) and the context to the next length
-    bucket (256, 512, ... up to the context window). One graph per (batch, length) pair, captured on
+    20, 24, 28, 32, 40, 48, ..., 112, 128, ... up to engine.max_num_seqs) and the context to the next
+    length bucket (256, 512, ... up to the context window). One graph per (batch, length) pair, captured on
     first use; all of them draw on one memory pool, and every graph's output stays referenced, so a
     replay never overwrites another graph's live tensors (replays are sequential: one engine thread).
   * Inputs live in static buffers that the graphs read: each row's token, position, new KV slot,
