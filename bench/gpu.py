@@ -133,8 +133,8 @@ def replay_ms(graphs, rows: int, length: int, n: int = 50) -> float:
 
 
 def engine_config(**overrides) -> EngineConfig:
-    base = dict(max_num_seqs=128, max_batched_tokens=4096, max_prefill_chunk=512, kv_cache_mb=8192 if DEVICE == "cuda" else 256,
-                max_waiting=256, speculation="off")
+    base = dict(max_num_seqs=128, max_batched_tokens=4096, max_prefill_chunk=512,
+                kv_cache_mb=8192 if DEVICE == "cuda" else 256, max_waiting=256, speculation="off")
     return EngineConfig(**{**base, **overrides})
 
 
