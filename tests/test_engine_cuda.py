@@ -43,7 +43,7 @@ def test_buckets_cover_every_size_with_at_most_a_third_of_padding_past_16():
     assert length_buckets(300, 16)[-1] >= 300
 
 
-def prefilled(model, kv, prompts, tables, bs):
+def prefilled(model, kv, prompts, tables):
     """Prefill each prompt through the eager forward into its blocks."""
     for ids, table in zip(prompts, tables):
         slots = KVCache.slots(kv, table, len(ids))
@@ -61,7 +61,7 @@ def decode_case(device, dtype):
     prompts = [torch.randint(1, a.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     tables = [[3], [0, 7], [1, 2, 5]]  # scattered blocks, each with room for the next token
     with torch.inference_mode():
-        prefilled(model, kv, prompts, tables, bs)
+        prefilled(model, kv, prompts, tables)
     return model, kv, prompts, tables, scratch
 
 
@@ -100,8 +100,8 @@ def test_a_row_past_the_first_length_bucket_reads_its_whole_context():
     table = list(range(20))
     twin = copy.deepcopy(kv)
     with torch.inference_mode():
-        prefilled(model, kv, [prompt], [table], bs)
-        prefilled(model, twin, [prompt], [table], bs)
+        prefilled(model, kv, [prompt], [table])
+        prefilled(model, twin, [prompt], [table])
         expected = eager_decode(model, kv, [prompt], [table], [7])
         graphs = DecodeGraphs(model, twin, scratch_block=39, max_batch=4, max_len=600, capture=False)
         got = graphs.run([7], [300], [table])
