@@ -47,8 +47,8 @@ from assistant.config import AssistantConfig
 from assistant.context import MAX_MEMORY_TOKENS, user_questions
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
-from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, Transcribed,
-                              TurnEvent, TurnStarted, Usage)
+from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, ToolCallFinished,
+                              ToolCallStarted, Transcribed, TurnEvent, TurnStarted, Usage)
 from assistant.grounding import Evidence, facts_held, ground, refusal
 from assistant.routing import LARGE, Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
@@ -114,7 +114,7 @@ class Orchestrator:
                 yield Done(cid, "", "", "error")
                 return
         history = self.store.history(cid)
-        verdict = self._guard(cid).check(text, where="input")
+        verdict = self._check(cid, text)
         if not verdict.allowed:
             yield from self._refuse(cid, text, meta, verdict)
             return
@@ -122,8 +122,10 @@ class Orchestrator:
             yield SafetyVerdict("input", True, verdict.category, verdict.reason, verdict.score, verdict.threshold,
                                 verdict.detector)
         user = self.store.add_message(cid, "user", text, meta=meta)
-        yield from self._answer(cid, user, history, params or self.default_params(), cancel, speak=turn_input.speak,
-                                model=turn_input.model, scope=scope)
+        cancel = cancel or threading.Event()
+        yield from self._gated(self._answer(cid, user, history, params or self.default_params(), cancel,
+                                            speak=turn_input.speak, model=turn_input.model, scope=scope),
+                               verdict, cid, user, cancel)
 
     def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
                    cancel: threading.Event | None = None, speak: bool = False,
@@ -147,21 +149,68 @@ class Orchestrator:
             raise StoreError(f"Message {message_id} is not a user message of conversation {conversation_id}.")
         history = self.store.history(conversation_id, head_id=old.parent_id)
         text = new_text.strip()
-        verdict = self._guard(conversation_id).check(text, where="input")
+        verdict = self._check(conversation_id, text)
         if not verdict.allowed:
             self.store.set_head(conversation_id, old.parent_id)
             yield from self._refuse(conversation_id, text, {"edited_from": old.id}, verdict)
             return
         user = self.store.add_message(conversation_id, "user", text, parent_id=old.parent_id,
                                       meta={"edited_from": old.id})
-        yield from self._answer(conversation_id, user, history, params or self.default_params(), cancel, speak=speak,
-                                scope=scope)
+        cancel = cancel or threading.Event()
+        yield from self._gated(self._answer(conversation_id, user, history, params or self.default_params(), cancel,
+                                            speak=speak, scope=scope), verdict, conversation_id, user, cancel)
 
     # -- one turn -------------------------------------------------------------------------------
     def _guard(self, cid: str) -> InputGuard:
         """The input guard bound to this conversation (its policy, its audit rows), when it can be bound."""
         bind = getattr(self.input_guard, "for_conversation", None)
         return bind(cid) if bind is not None else self.input_guard
+
+    def _check(self, cid: str, text: str) -> Any:
+        """The input verdict, with a slow second opinion possibly still `pending` (see `_gated`)."""
+        guard = self._guard(cid)
+        early = getattr(guard, "check_early", None)
+        return early(text, where="input") if early is not None else guard.check(text, where="input")
+
+    def _gated(self, events: Iterator[TurnEvent], verdict: Any, cid: str, user: StoredMessage,
+               cancel: threading.Event) -> Iterator[TurnEvent]:
+        """The turn's events, held back while the input's second opinion is pending.
+
+        Design note — the second opinion reads beside the turn: a message the fast detectors leave in
+        doubt is read again by a slower one (~50-100 ms, assistant/safety/probe.py). Meanwhile the
+        turn starts: retrieval runs and the model's prefill begins, so the user waits for the slower of
+        the two, not their sum. Only events that show nothing of the answer pass before the verdict:
+        TurnStarted, the automatic document search (ToolCallStarted/Finished "auto_*") and
+        quarantine notices. The first other event (answer text, a tool call about to run, the end)
+        waits for the verdict. A block cancels the turn and ends it as a blocked message does: the
+        question is marked `blocked`, the refusal is the answer, and SafetyVerdict + Done follow."""
+        pending, answer_id = verdict.pending, ""
+        for event in events:
+            if isinstance(event, TurnStarted):
+                answer_id = event.message_id
+            if pending is not None and not _before_verdict(event):
+                final, pending = pending(), None
+                if not final.allowed:
+                    cancel.set()
+                    events.close()
+                    yield from self._blocked_late(cid, user, answer_id, final)
+                    return
+                if final.category:
+                    yield SafetyVerdict("input", True, final.category, final.reason, final.score, final.threshold,
+                                        final.detector)
+            yield event
+
+    def _blocked_late(self, cid: str, user: StoredMessage, answer_id: str, verdict: Any) -> Iterator[TurnEvent]:
+        """A turn already started whose question the second opinion blocked: stored as `_refuse` stores it."""
+        audit = {"category": verdict.category, "score": verdict.score, "threshold": verdict.threshold,
+                 "detector": verdict.detector}
+        self.store.update_message(user.id, status="blocked", meta={**user.meta, "verdict": audit})
+        if answer_id:
+            self.store.update_message(answer_id, content=verdict.reason, status="complete",
+                                      meta={"finish_reason": "blocked", "verdict": audit})
+        yield SafetyVerdict("input", False, verdict.category, verdict.reason, verdict.score, verdict.threshold,
+                            verdict.detector)
+        yield Done(cid, answer_id, verdict.reason, "blocked")
 
     def _prestage(self, turn_input: UserInput, meta: dict[str, Any]) -> Iterator[TurnEvent]:
         """Speech -> the question's text, images -> descriptions kept in `meta` (returns the text)."""
@@ -294,6 +343,13 @@ class Orchestrator:
                   {"role": "user", "content": f"Summarise this conversation in a few sentences:\n\n{transcript}"}]
         params = SamplingParams(max_tokens=max_tokens)
         return "".join(d.text for d in self.engine.generate(prompt, params)).strip()
+
+
+def _before_verdict(event: TurnEvent) -> bool:
+    """Whether `event` may pass while the input's second opinion is pending (it shows nothing of the answer)."""
+    if isinstance(event, (TurnStarted, SafetyVerdict)):
+        return True
+    return isinstance(event, (ToolCallStarted, ToolCallFinished)) and event.call_id.startswith("auto_")
 
 
 def _prompt_history(history: list[StoredMessage]) -> tuple[list[Message], list[str], str]:

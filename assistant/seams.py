@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from assistant.errors import ToolUnavailable
 from assistant.events import TurnEvent
@@ -61,6 +61,12 @@ class Verdict:
     threshold: float = 0.0
     detector: str = ""  # which detector decided
     reason: str = ""  # for the user: why, and what they can do
+    # a second opinion still reading (InputGuard.check_early): call it for the final verdict, which may block
+    pending: Callable[[], "Verdict"] | None = field(default=None, compare=False)
+
+    def final(self) -> "Verdict":
+        """This verdict, or the second opinion's when one is pending (waits for it)."""
+        return self.pending() if self.pending is not None else self
 
 
 ALLOWED = Verdict()
@@ -72,7 +78,9 @@ class InputGuard(Protocol):
 
     def check(self, text: str, *, where: str) -> Verdict:
         """where: "input" (the user's message), "retrieved" (document passages) or "tool" (tool output).
-        An allowed verdict with a category is a warning the user is shown."""
+        An allowed verdict with a category is a warning the user is shown. It may also offer
+        `check_early(text, where=...)`: the same verdict, except that a slow second opinion may still be
+        `pending` (the orchestrator lets the turn start and shows nothing until it resolves)."""
         ...
 
 

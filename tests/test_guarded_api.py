@@ -20,7 +20,7 @@ SAFETY_ON = {"safety.enabled": True}
 
 @pytest.fixture(autouse=True)
 def fake_detectors(monkeypatch):
-    monkeypatch.setattr("assistant.safety.layer.real_detectors", lambda head_dir=None: detectors())
+    monkeypatch.setattr("assistant.safety.layer.real_detectors", lambda head_dir=None, models_dir=None: detectors())
 
 
 def stream_text(response) -> tuple[str, list[str]]:
@@ -87,7 +87,7 @@ class InsultDetector:
 
 def test_a_toxic_raw_answer_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr("assistant.safety.layer.real_detectors",
-                        lambda head_dir=None: detectors(profanity=InsultDetector()))
+                        lambda head_dir=None, models_dir=None: detectors(profanity=InsultDetector()))
     _, engine, app = make_app(tmp_path, ["You are wrong. ", "More of it. ", "And more."], settings=SAFETY_ON)
     body = TestClient(app).post(CHAT, json={"messages": [{"role": "user", "content": "hello"}]}).json()
     choice = body["choices"][0]

@@ -1,7 +1,7 @@
 """`assistant safety ...` and `assistant eval safety FILE.jsonl`.
 
   assistant safety train [--data FILE] [--seed 0]   retrain the heads and the tuned classifier (fixed seeds)
-                                                     into assistant/safety/models [--only heads|tuned]
+                                                     into assistant/safety/models [--only heads|probe|tuned]
   assistant safety check TEXT [--where input]        the verdict and every detector's scores
   assistant safety policy CONVERSATION [NAME]        show or choose a conversation's policy ("default" resets)
   assistant safety audit [--conversation ID]         the newest audit rows
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -26,8 +27,8 @@ DEFAULT_TRAIN = Path(__file__).resolve().parents[2] / "tests" / "data" / "safety
 def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     safety = subparsers.add_parser("safety", help="safety classifiers: train the head, check text, policies, audit")
     sub = safety.add_subparsers(dest="safety_command", required=True, metavar="ACTION")
-    train = sub.add_parser("train", help="train the safety heads and the tuned classifier on the labelled set "
-                                         "(reproducible; about 3 + 10 minutes on 2 vCPUs)")
+    train = sub.add_parser("train", help="train the safety heads, the chat-model probe and the tuned classifier on "
+                                         "the labelled set (reproducible; about 3 + 2 + 10 minutes on 2 vCPUs)")
     train.add_argument("--data", default=str(DEFAULT_TRAIN), help="labelled JSONL (default tests/data/safety_train.jsonl)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", default=None, help="head directory (default assistant/safety/models)")
@@ -35,8 +36,9 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
                        choices=("minilm-l6-int8+e5", "minilm-l6-int8", "minilm-l6"))
     train.add_argument("--layers", default=None, help="embedder hidden states to pool, comma-separated "
                        "(0 = embeddings, 6 = last; default: head.DEFAULT_LAYERS, 3,4,5,6)")
-    train.add_argument("--only", choices=("heads", "tuned"), default=None,
-                       help="train only the logistic heads (input stage) or only the tuned classifier (passages)")
+    train.add_argument("--only", choices=("heads", "tuned", "probe"), default=None,
+                       help="train only the logistic heads (input stage), only the tuned classifier (passages) or "
+                            "only the probe on the chat model (the input stage's second opinion)")
     train.add_argument("--c", type=float, default=None,
                        help="inverse regularisation of the logistic regression (default: head.DEFAULT_C)")
     add_common(train)
@@ -88,13 +90,42 @@ def _cmd_train(args, config) -> int:
     data = Path(args.data)
     rows = load_rows(data)
     trained_on = {"file": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "rows": len(rows)}
-    if args.only != "tuned":
+    if args.only in (None, "heads"):
         status = _train_heads(args, rows, trained_on)
         if status:
             return status
-    if args.only != "heads":
+    if args.only in (None, "probe"):
+        _train_probe(args, config, rows, trained_on)
+    if args.only in (None, "tuned"):
         _train_tuned(args, rows, trained_on)
     return 0
+
+
+def _train_probe(args, config, rows: list[dict], trained_on: dict) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from assistant.safety.head import HEAD_DIR, training_label
+    from assistant.safety.probe import PROBE_HEAD_NAME, ProbeFeaturizer, train_probe
+
+    started = time.perf_counter()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))  # faster; the features move only in their last bits
+    total = sum(r.get("where", "input") == "input" and training_label(r) is not None for r in rows)
+    try:
+        with tqdm(total=total, unit="message", desc="Reading messages with the chat model", file=sys.stderr,
+                  disable=None) as bar:
+            head, card = train_probe(rows, ProbeFeaturizer(config.resolved_models_dir), seed=args.seed,
+                                     progress=bar.update, **({} if args.c is None else {"c": args.c}))
+    finally:
+        _single_thread()
+    card["trained_on"] = trained_on
+    path = head.save(Path(args.out) if args.out else HEAD_DIR, card=card, name=PROBE_HEAD_NAME)
+    saved = json.loads(path.with_suffix(".json").read_text())
+    print(f"{PROBE_HEAD_NAME} ({head.featurizer}; layers {','.join(map(str, head.layers))}, C {card['C']}): trained on "
+          f"{card['num_rows']} user messages in {time.perf_counter() - started:.0f} s; saved {path} "
+          f"(version {saved['version']}, sha256 {saved['sha256'][:16]}…)")
+    print("  5-fold CV, user messages: " + "; ".join(f"{t}: catch {m['catch_rate']:.1%} fp {m['false_positive_rate']:.1%}"
+                                                      for t, m in card["cv5_user_messages_by_threshold"].items()))
 
 
 def _train_tuned(args, rows: list[dict], trained_on: dict) -> None:
@@ -201,7 +232,8 @@ def _cmd_eval(args, config) -> int:
     rows = load_rows(args.file)
     layer = _layer(config, args.policy)
     warm = layer.input_guard.for_conversation(None)
-    for where in ("input", "retrieved"):  # load every model before timing
+    warm.warm()  # load every model before timing
+    for where in ("input", "retrieved"):
         warm.check("warm-up text", where=where)
     report = evaluate_rows(rows, layer)
     summary = report.summary()

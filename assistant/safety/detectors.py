@@ -11,6 +11,8 @@ run at which stage and the score at which each one acts. The real detectors, che
     embeddings: one softmax over benign + every input category. ~8 ms for a short message.
   * `tuned`            — our LoRA-tuned all-MiniLM-L6-v2 (assistant/safety/tuned.py), trained on the same
     labelled set: the reader of retrieved passages and tool results (~25 ms a 256-piece window).
+  * `probe`            — our head on the packaged chat model's first 12 layers (assistant/safety/probe.py),
+    ~50-100 ms: the input stage's second opinion for messages the `head` leaves in doubt.
   * `nanoguard`        — PyPI metatronnanoguard 0.1.0: a 16.8M-parameter transformer for prompt
     injection. The package pads every text to 512 tokens (~160-250 ms here); we run it unpadded on
     the real tokens (~15 ms), as a second opinion on retrieved and tool text, not on every message.
@@ -220,7 +222,32 @@ class TunedDetector(_Lazy):
         return [Score(c, float(p), self.name) for c, p in zip(model.classes, model.probabilities(text)) if c != "benign"]
 
 
-def real_detectors(head_path: Any = None) -> dict[str, Detector]:
+class ProbeDetector(_Lazy):
+    """Our head on the packaged chat model's hidden states (assistant/safety/probe.py): one softmax over
+    benign + every input category. ~50-100 ms a message here, so policies use it as a second opinion."""
+
+    name = "probe"
+    categories = INPUT_CATEGORIES
+
+    def __init__(self, path: Any = None, models_dir: Any = None) -> None:
+        super().__init__()
+        self.path, self.models_dir = path, models_dir
+
+    def load(self) -> Any:
+        from assistant.errors import ModelError
+        from assistant.safety.probe import load_probe_featurizer, load_probe_head
+
+        if self.models_dir is None:
+            raise ModelError("The safety probe needs the models directory (safety.layer passes the config's).")
+        return load_probe_head(self.path), load_probe_featurizer(Path(self.models_dir))
+
+    def score(self, text: str) -> list[Score]:
+        head, featurizer = self.model()
+        probs = head.probabilities(featurizer.embed([text]))[0]
+        return [Score(c, float(p), self.name) for c, p in zip(head.classes, probs) if c != "benign"]
+
+
+def real_detectors(head_path: Any = None, models_dir: Any = None) -> dict[str, Detector]:
     """The product's detectors by name (each loads on first use)."""
     return {d.name: d for d in (PromptGuardrail(), Profanity(), HeadDetector(head_path), TunedDetector(head_path),
-                                NanoGuard())}
+                                NanoGuard(), ProbeDetector(head_path, models_dir))}

@@ -10,12 +10,23 @@ every score at or above its category's threshold for that detector is a hit; the
 strongest action (block > warn > log) wins, ties broken by the margin over the threshold. A block
 stops the remaining (slower) detectors. The verdict carries category, score, threshold and detector;
 a block at the input says what the user can do instead (assistant/safety/categories.py).
+
+Second opinion (a stage's `second_opinion`, assistant/safety/probe.py): when the `after` detector's
+top score lies in the policy's doubt band, its hits do not decide alone. A slower detector reads the
+text, and the mean of the two top scores, held against the slower detector's threshold for the
+stronger category, takes the place of `after`'s hits (detector "head+probe" in the verdict). Outside
+the band `after` decides as before; a block by an earlier detector needs no second opinion.
+`check` waits for it. `check_early` returns at once with the opinion `pending` on an allowed verdict,
+so the orchestrator can start the turn (retrieval, the model's prefill) while it reads and show
+nothing until it resolves: the user-facing wait stays that of the fast detectors.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from assistant.errors import ConfigError
 from assistant.safety.audit import SafetyAudit
@@ -23,6 +34,9 @@ from assistant.safety.categories import quarantine_notice, refusal, label
 from assistant.safety.detectors import Detector, Score
 from assistant.safety.policy import ACTION_RANK, Policy, load_policy
 from assistant.seams import ALLOWED, Verdict
+
+# second opinions run here, beside the turn they may stop (one at a time: each is a model forward pass)
+_SECOND_OPINIONS = ThreadPoolExecutor(1, thread_name_prefix="safety-second-opinion")
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,9 @@ class PolicyBook:
     def get(self, name: str) -> Policy:
         if name not in self._cache:
             policy = load_policy(name, self.extra_dir)
-            unknown = {d for s in policy.stages.values() for d in s.detectors} - self._known_detectors
+            named = {d for s in policy.stages.values()
+                     for d in (*s.detectors, *((s.second_opinion.detector,) if s.second_opinion else ()))}
+            unknown = named - self._known_detectors
             if self._known_detectors and unknown:
                 raise ConfigError(f"Safety policy {name!r} names unknown detector(s) {', '.join(sorted(unknown))}: "
                                   f"use {', '.join(sorted(self._known_detectors))}.")
@@ -82,7 +98,38 @@ class SafetyGuard:
                            policy=self.policies.get(policy) if policy else self.policies.default)
 
     def check(self, text: str, *, where: str) -> Verdict:
-        hit = self.hit(text, where=where)
+        return self._verdict(text, where, self.hit(text, where=where))
+
+    def warm(self) -> None:
+        """Load every detector this guard's policy names (a second opinion only runs for doubtful texts,
+        so a warm-up text would not load it)."""
+        for stage in self.policy.stages.values():
+            names = (*stage.detectors, *((stage.second_opinion.detector,) if stage.second_opinion else ()))
+            for name in names:
+                load = getattr(self.detectors.get(name), "model", None)
+                if callable(load):
+                    load()
+
+    def check_early(self, text: str, *, where: str) -> Verdict:
+        """`check`, except that a second opinion the text needs (see the module notes) is started on
+        its own thread and left `pending` on an allowed verdict: the caller resolves it (`final()`)
+        before it shows anything that depends on the text being allowed."""
+        first, later = self._first_hit(text, where, self.policy)
+        if later is None:
+            return self._verdict(text, where, first)
+        future = _SECOND_OPINIONS.submit(later)
+        done: list[Verdict] = []
+        lock = threading.Lock()
+
+        def resolve() -> Verdict:
+            with lock:  # audited once, however often it is asked
+                if not done:
+                    done.append(self._verdict(text, where, future.result()))
+                return done[0]
+
+        return Verdict(pending=resolve)
+
+    def _verdict(self, text: str, where: str, hit: Hit | None) -> Verdict:
         if hit is None:
             return ALLOWED
         self.audit.record(conversation_id=self.conversation_id, key_id=self.key_id, policy=self.policy.name,
@@ -102,22 +149,33 @@ class SafetyGuard:
                        hit.score.detector, reason)
 
     def hit(self, text: str, *, where: str, policy: Policy | None = None) -> Hit | None:
-        """The deciding hit for `text` at stage `where` (None: nothing reached a threshold)."""
-        policy = policy or self.policy
+        """The deciding hit for `text` at stage `where` (None: nothing reached a threshold), the second
+        opinion included when the text needs one."""
+        first, later = self._first_hit(text, where, policy or self.policy)
+        return later() if later is not None else first
+
+    def _first_hit(self, text: str, where: str, policy: Policy) -> tuple[Hit | None, Callable[[], Hit | None] | None]:
+        """(the best hit of the stage's detectors, the second opinion to ask or None). A text whose
+        `after` detector's top score lies in the doubt band leaves that detector's hits to the second
+        opinion; a block by another detector needs none."""
         stage = policy.stage(where)
         if not text.strip() or not stage.detectors:
-            return None
+            return None, None
+        second = stage.second_opinion
         best: Hit | None = None
+        doubt: Score | None = None
         for name in stage.detectors:
             detector = self.detectors[name]
-            wanted = [c for c in stage.categories if c in detector.categories
-                      and name in policy.rule(c).thresholds and policy.rule(c).action != "allow"]
+            wanted = self._wanted(policy, stage.categories, name, detector)
             if not wanted:
                 continue
-            scored = self._scores(detector, text, where)
-            for score in scored:
-                if score.category not in wanted:
+            scored = [s for s in self._scores(detector, text, where) if s.category in wanted]
+            if second is not None and name == second.after and scored:
+                top = max(scored, key=lambda s: s.score)
+                if second.band[0] <= top.score < second.band[1]:
+                    doubt = top
                     continue
+            for score in scored:
                 rule = policy.rule(score.category)
                 threshold = stage.thresholds.get(name, rule.thresholds[name])
                 if score.score >= threshold:
@@ -125,8 +183,36 @@ class SafetyGuard:
                     if best is None or candidate.key > best.key:
                         best = candidate
             if best is not None and best.action == "block":
-                break  # the slower detectors cannot change a block
-        return best
+                return best, None  # the slower detectors cannot change a block
+        if doubt is None:
+            return best, None
+        return best, lambda: self._second_opinion(text, where, policy, doubt, best)
+
+    def _second_opinion(self, text: str, where: str, policy: Policy, doubt: Score, best: Hit | None) -> Hit | None:
+        """The mean of the doubtful detector's top score and the second opinion's, under the second
+        opinion's threshold for the stronger category; the better of that and `best`."""
+        stage = policy.stage(where)
+        second = stage.second_opinion
+        detector = self.detectors[second.detector]
+        wanted = self._wanted(policy, stage.categories, second.detector, detector)
+        scored = [s for s in self._scores(detector, text, where) if s.category in wanted]
+        if not scored:
+            return best
+        top = max(scored, key=lambda s: s.score)
+        category = doubt.category if doubt.category in wanted and doubt.score >= top.score else top.category
+        rule = policy.rule(category)
+        threshold = stage.thresholds.get(second.detector, rule.thresholds[second.detector])
+        combined = (doubt.score + top.score) / 2
+        if combined < threshold:
+            return best
+        candidate = Hit(Score(category, combined, f"{second.after}+{second.detector}"), threshold, rule.action)
+        return candidate if best is None or candidate.key > best.key else best
+
+    @staticmethod
+    def _wanted(policy: Policy, categories: tuple[str, ...], name: str, detector: Detector) -> list[str]:
+        """The stage's categories this detector scores and acts on."""
+        return [c for c in categories if c in detector.categories and name in policy.rule(c).thresholds
+                and policy.rule(c).action != "allow"]
 
     def _scores(self, detector: Detector, text: str, where: str) -> list[Score]:
         """The detector's scores; a costly one's (`cache_key`) on passages and tool results come from the

@@ -46,8 +46,9 @@ class SafetyLayer:
     def from_config(cls, config: Any, store: Any = None, *, detectors: Mapping[str, Detector] | None = None) -> "SafetyLayer":
         audit = SafetyAudit(store.db) if store is not None else MemoryAudit()
         s = config.safety
-        return cls(detectors if detectors is not None else real_detectors(s.head_dir or None), audit,
-                   policy=s.policy, policies_dir=s.policies_dir or None, protected=[config.system_prompt])
+        if detectors is None:
+            detectors = real_detectors(s.head_dir or None, config.resolved_models_dir)
+        return cls(detectors, audit, policy=s.policy, policies_dir=s.policies_dir or None, protected=[config.system_prompt])
 
     def screen(self, texts: Sequence[str], where: str = "retrieved") -> int:
         """Score passages ahead of use (a document's chunks at ingest): their scores go to the score

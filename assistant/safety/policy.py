@@ -11,6 +11,11 @@ which categories count, and for each category the action and the score at which 
     [categories.weapons]
     action = "block"                                            # block | warn | log | allow
     thresholds = { head = 0.6 }
+    [stages.input.second_opinion]                               # optional: a slower detector for the doubtful
+    detector = "probe"                                          # it reads a text when `after`'s top score lies in
+    after = "head"                                              # [band[0], band[1]); the mean of the two scores,
+    band = [0.1, 0.95]                                          # against the category's `probe` threshold, then
+                                                                # replaces `after`'s hits (see safety/guard.py)
     [stages.retrieved]
     thresholds = { head = 0.8 }                                 # optional: this stage's own, over the category's
     [output]
@@ -45,11 +50,19 @@ class CategoryRule:
 
 
 @dataclass(frozen=True)
+class SecondOpinion:
+    detector: str  # the slower detector that reads what `after` leaves in doubt
+    after: str  # the detector whose top score says whether a text is in doubt
+    band: tuple[float, float]  # `after`'s top score in [low, high): in doubt
+
+
+@dataclass(frozen=True)
 class Stage:
     detectors: tuple[str, ...] = ()  # run in this order; a block stops the rest
     categories: tuple[str, ...] = ()  # categories that count at this stage
     thresholds: dict[str, float] = field(default_factory=dict)  # detector -> its threshold at this stage,
                                                                 # over every category's (documents read unlike chat)
+    second_opinion: SecondOpinion | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,8 @@ class Policy:
             thresholds = {d: float(t) for d, t in s.get("thresholds", {}).items()}
             if any(not 0.0 < t <= 1.0 for t in thresholds.values()):
                 raise ConfigError(f"{where}: stages.{name}.thresholds must lie in (0, 1].")
-            stages[name] = Stage(tuple(s.get("detectors", ())), tuple(s.get("categories", ())), thresholds)
+            stages[name] = Stage(tuple(s.get("detectors", ())), tuple(s.get("categories", ())), thresholds,
+                                 _second_opinion(s, f"{where}: stages.{name}"))
         categories = {}
         for name, c in raw.get("categories", {}).items():
             action = c.get("action", "block")
@@ -109,6 +123,19 @@ class Policy:
         if "name" not in raw:
             raise ConfigError(f"{where}: a policy needs a name.")
         return cls(str(raw["name"]), str(raw.get("description", "")), stages, categories, output)
+
+
+def _second_opinion(stage: dict, where: str) -> SecondOpinion | None:
+    raw = stage.get("second_opinion")
+    if raw is None:
+        return None
+    band = raw.get("band", ())
+    ok = (isinstance(raw.get("detector"), str) and raw.get("after") in stage.get("detectors", ())
+          and len(band) == 2 and 0.0 <= float(band[0]) < float(band[1]) <= 1.0)
+    if not ok:
+        raise ConfigError(f"{where}.second_opinion needs detector = \"<name>\", after = one of the stage's detectors, "
+                          "and band = [low, high] with 0 <= low < high <= 1.")
+    return SecondOpinion(raw["detector"], raw["after"], (float(band[0]), float(band[1])))
 
 
 def available_policies(extra_dir: str | Path | None = None) -> dict[str, Path]:
