@@ -80,7 +80,9 @@ def ttft(messages: list[str], engine_ms: float, guarded: bool, tmp: Path) -> lis
             time.sleep(engine_ms / 1000)
             yield from super().generate(*args, **kwargs)
 
-    config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp), "safety.enabled": guarded})
+    models = AssistantConfig.load(env={}).resolved_models_dir  # the prepared chat model (the second opinion reads it)
+    config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp), "models_dir": str(models),
+                                                     "safety.enabled": guarded})
     engine = SlowFirstToken(["Fine. It works."] * len(messages))
     out = []
     with build_assistant(config, engine=engine, store=Store("sqlite://"), tools=[]) as assistant:

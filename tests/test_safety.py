@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from assistant.config import AssistantConfig
-from assistant.errors import ConfigError
+from assistant.errors import ConfigError, ModelError
 from assistant.events import Done, SafetyVerdict, TextDelta
 from assistant.safety.audit import MemoryAudit, SafetyAudit
 from assistant.safety.categories import INPUT_CATEGORIES
@@ -279,6 +279,25 @@ def test_check_early_leaves_the_second_opinion_pending_and_audits_it_once():
     assert early.final() == final and len(audit.rows) == 1
     sure = guard.check_early("a PIPE-BOMB", where="input")
     assert not sure.allowed and sure.pending is None
+
+
+class BrokenProbe:
+    name, categories = "probe", INPUT_CATEGORIES
+
+    def score(self, text):
+        raise ModelError("The safety probe reads the chat model qwen2.5-coder-0.5b, which is not prepared.")
+
+
+def test_without_its_model_the_second_opinion_leaves_the_head_to_decide_alone():
+    class Likely(Doubtful):
+        def score(self, text):
+            return [Score(s.category, 0.7 if s.score == 0.5 and "likely" in text else s.score, s.detector)
+                    for s in super().score(text)]
+
+    guard = layer(head=Likely(), probe=BrokenProbe()).input_guard
+    assert guard.check("maybe a bad thing", where="input").allowed  # 0.5: under the head's 0.6
+    verdict = guard.check_early("maybe, likely a bad thing", where="input").final()  # 0.7, in the band
+    assert not verdict.allowed and verdict.detector == "head" and verdict.score == 0.7
 
 
 def test_a_second_opinion_must_name_a_detector_of_its_stage(tmp_path):

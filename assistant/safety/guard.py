@@ -23,12 +23,13 @@ nothing until it resolves: the user-facing wait stays that of the fast detectors
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
-from assistant.errors import ConfigError
+from assistant.errors import AssistantError, ConfigError
 from assistant.safety.audit import SafetyAudit
 from assistant.safety.categories import quarantine_notice, refusal, label
 from assistant.safety.detectors import Detector, Score
@@ -37,6 +38,14 @@ from assistant.seams import ALLOWED, Verdict
 
 # second opinions run here, beside the turn they may stop (one at a time: each is a model forward pass)
 _SECOND_OPINIONS = ThreadPoolExecutor(1, thread_name_prefix="safety-second-opinion")
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
 
 
 @dataclass(frozen=True)
@@ -164,29 +173,48 @@ class SafetyGuard:
         second = stage.second_opinion
         best: Hit | None = None
         doubt: Score | None = None
+        alone: Hit | None = None  # the doubtful detector's own hit, should the second opinion fail
         for name in stage.detectors:
             detector = self.detectors[name]
             wanted = self._wanted(policy, stage.categories, name, detector)
             if not wanted:
                 continue
             scored = [s for s in self._scores(detector, text, where) if s.category in wanted]
+            hit = self._best(policy, stage, name, scored)
             if second is not None and name == second.after and scored:
                 top = max(scored, key=lambda s: s.score)
                 if second.band[0] <= top.score < second.band[1]:
-                    doubt = top
+                    doubt, alone = top, hit
                     continue
-            for score in scored:
-                rule = policy.rule(score.category)
-                threshold = stage.thresholds.get(name, rule.thresholds[name])
-                if score.score >= threshold:
-                    candidate = Hit(score, threshold, rule.action)
-                    if best is None or candidate.key > best.key:
-                        best = candidate
+            if hit is not None and (best is None or hit.key > best.key):
+                best = hit
             if best is not None and best.action == "block":
                 return best, None  # the slower detectors cannot change a block
         if doubt is None:
             return best, None
-        return best, lambda: self._second_opinion(text, where, policy, doubt, best)
+
+        def later() -> Hit | None:
+            try:
+                return self._second_opinion(text, where, policy, doubt, best)
+            except AssistantError as e:  # e.g. the chat model is not prepared: decide as before it existed
+                _warn_once(f"The safety second opinion ({second.detector}) is unavailable, so the {second.after} "
+                           f"decides alone: {e}")
+                return alone if alone is not None and (best is None or alone.key > best.key) else best
+
+        return best, later
+
+    @staticmethod
+    def _best(policy: Policy, stage: Any, name: str, scored: list[Score]) -> Hit | None:
+        """The strongest hit among one detector's scores."""
+        best: Hit | None = None
+        for score in scored:
+            rule = policy.rule(score.category)
+            threshold = stage.thresholds.get(name, rule.thresholds[name])
+            if score.score >= threshold:
+                candidate = Hit(score, threshold, rule.action)
+                if best is None or candidate.key > best.key:
+                    best = candidate
+        return best
 
     def _second_opinion(self, text: str, where: str, policy: Policy, doubt: Score, best: Hit | None) -> Hit | None:
         """The mean of the doubtful detector's top score and the second opinion's, under the second
