@@ -96,22 +96,35 @@ def hf_decode_rate(model, prompt_ids: list[int], new_tokens: int) -> float:
 
 
 LLAMACPP_SCRIPT = """
-import json, statistics, sys, time
+import json, sys, time
 from llama_cpp import Llama
-gguf, threads, new_tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.stdin.read()
-llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
-llm(prompt, max_tokens=4, temperature=0.0)
-rates = []
-for _ in range(2):
-    stamps = [time.perf_counter() for _ in llm(prompt, max_tokens=new_tokens, stream=True, temperature=0.0, top_k=1)]
-    if len(stamps) > 3:
-        rates.append((len(stamps) - 2) / (stamps[-1] - stamps[1]))
-print(json.dumps(statistics.median(rates) if rates else None))
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+job = json.loads(sys.stdin.read())
+draft = LlamaPromptLookupDecoding(num_pred_tokens=job["lookup"]) if job["lookup"] else None
+llm = Llama(model_path=job["gguf"], n_threads=job["threads"], n_threads_batch=job["threads"], n_ctx=2048,
+            verbose=False, draft_model=draft)
+for prompt in job["prompts"]:
+    llm(prompt, max_tokens=4, temperature=0.0)
+rounds = []
+for _ in range(job["rounds"]):
+    tokens = seconds = 0.0
+    for prompt in job["prompts"]:
+        stamps = [time.perf_counter() for _ in llm(prompt, max_tokens=job["new_tokens"], stream=True,
+                                                   temperature=0.0, top_k=1)]
+        if len(stamps) > 3:
+            tokens += len(stamps) - 2
+            seconds += stamps[-1] - stamps[1]
+    rounds.append(tokens / seconds if seconds else None)
+print(json.dumps(rounds))
 """
 
 
-def llamacpp_decode_rate(gguf: Path, prompt_text: str, threads: int, new_tokens: int) -> float | None:
-    """llama-cpp-python on the packaged GGUF, the same chat prompt rendered to text, greedy.
+def llamacpp_rates(gguf: Path, prompts: list[str], threads: int, new_tokens: int, *, rounds: int = 2,
+                   lookup: int = 0) -> list[float] | None:
+    """llama-cpp-python on the packaged GGUF, greedy: decode tok/s of `prompts` (chat prompts rendered to
+    text) one after another, per round (streamed pieces after the first, over their time; a piece is a
+    token). `lookup`: llama-cpp-python's own prompt-lookup drafting with that many tokens (0 = plain).
+    None when llama-cpp-python is not installed or the run fails.
 
     Runs in its own process: loaded beside torch in this one it died with SIGILL here, and its
     create_chat_completion crashed too (plain completion does the same work)."""
@@ -119,12 +132,21 @@ def llamacpp_decode_rate(gguf: Path, prompt_text: str, threads: int, new_tokens:
         import llama_cpp  # noqa: F401
     except ImportError:
         return None
-    done = subprocess.run([sys.executable, "-c", LLAMACPP_SCRIPT, str(gguf), str(threads), str(new_tokens)],
-                          input=prompt_text, capture_output=True, text=True, timeout=900)
+    job = {"gguf": str(gguf), "prompts": prompts, "threads": threads or max(1, (os.cpu_count() or 2) // 2),
+           "new_tokens": new_tokens, "rounds": rounds, "lookup": lookup}
+    done = subprocess.run([sys.executable, "-c", LLAMACPP_SCRIPT], input=json.dumps(job), capture_output=True,
+                          text=True, timeout=1800)
     if done.returncode != 0:
         print(f"llama.cpp run failed (exit {done.returncode}): {done.stderr[-300:]}")
         return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    rates = [r for r in json.loads(done.stdout.strip().splitlines()[-1]) if r]
+    return rates or None
+
+
+def llamacpp_decode_rate(gguf: Path, prompt_text: str, threads: int, new_tokens: int) -> float | None:
+    """llama.cpp's decode rate on one prompt: the median of two rounds (see llamacpp_rates)."""
+    rates = llamacpp_rates(gguf, [prompt_text], threads, new_tokens)
+    return statistics.median(rates) if rates else None
 
 
 def decode_weight_mb(engine) -> float:

@@ -21,6 +21,11 @@ printed too: it is what decides whether a draft pays on this machine.
 
   python bench/speculation.py [--large] [--threads N] [--rounds 3] [--tokens 128] [--quick]
 
+For the default model, the RAG prompts also run on llama.cpp (llama-cpp-python, when installed; never a
+product dependency) right after: rag_vs_llamacpp = this engine's RAG decode with prompt lookup over plain
+llama.cpp on the same prompts (issue 18 goal >= 1.3), rag_vs_llamacpp_lookup the same over llama.cpp
+with its own prompt-lookup drafting, rag_off_vs_llamacpp this engine without speculation over llama.cpp.
+
 `--large` adds the packaged 1.5B model when it is prepared and at least 12 GB of memory is available,
 with a third mode beside off and prompt lookup: the --model (the 0.5B) drafting for it (engine/draft.py;
 draft_speedup: RAG answers, 1 stream, issue 18 goal >= 1.8x; draft_speedup_free: free-form answers).
@@ -47,6 +52,9 @@ from assistant.engine.base import SamplingParams  # noqa: E402
 from assistant.engine.loading import load_draft_model, load_model  # noqa: E402
 from assistant.engine.local import LocalEngine  # noqa: E402
 from assistant.engine.speculate import SpeculationStats, Speculator  # noqa: E402
+from engine import llamacpp_rates  # noqa: E402  (bench/engine.py: llama-cpp-python in its own process)
+
+LLAMACPP_LOOKUP_TOKENS = 10  # llama-cpp-python's prompt-lookup drafting (its documented default for CPU)
 
 PASSAGES = """\
 [1] Backups run every night at 02:00 local time. Each backup is an incremental snapshot of the data directory, compressed with zstd at level 3 and encrypted with AES-256-GCM before it leaves the machine. A full snapshot is taken every Sunday, and incremental snapshots are kept for 35 days.
@@ -185,6 +193,8 @@ def bench_model(name: str, args: argparse.Namespace, draft: str = "") -> dict[st
                          f"acceptance {r['acceptance_rate']:.2f}, {r['tokens_per_verify']:.2f} tokens per verify step, "
                          f"{r['verified_share'] * 100:.0f}% of tokens from verify steps, identical {r['identical']}")
             print(line)
+    if not draft and "rag_1" in out:
+        out.update(llamacpp_peer(engine, config, kinds["rag"], args, out["rag_1"]))
     for mode in names[1:]:
         cost = modes[mode].cost
         if 1 in cost.seconds:
@@ -203,6 +213,36 @@ def bench_model(name: str, args: argparse.Namespace, draft: str = "") -> dict[st
     engine.close()
     del engine
     gc.collect()
+    return out
+
+
+def llamacpp_peer(engine: LocalEngine, config: AssistantConfig, prompts: list[list[dict]], args: argparse.Namespace,
+                  ours: dict) -> dict[str, object]:
+    """The RAG prompts on llama.cpp (llama-cpp-python, the packaged GGUF, the same threads and answer
+    length), plain and with its own prompt lookup, right after this engine's rounds: issue 18's
+    rag_vs_llamacpp is this engine with prompt lookup over plain llama.cpp (goal >= 1.3)."""
+    from assistant.engine.loading import resolve_model_path
+
+    gguf = next(resolve_model_path(config).glob("*.gguf"), None)
+    texts = [engine.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    plain = llamacpp_rates(gguf, texts, args.threads, args.tokens, rounds=args.rounds) if gguf else None
+    if plain is None:
+        print("llama.cpp peer: not installed (pip install llama-cpp-python; see bench/engine.py --build-llamacpp)")
+        return {"rag_vs_llamacpp": None}
+    looked = llamacpp_rates(gguf, texts, args.threads, args.tokens, rounds=args.rounds, lookup=LLAMACPP_LOOKUP_TOKENS)
+    plain_s = statistics.median(plain)
+    out: dict[str, object] = {"llamacpp_rag_1_tok_s": round(plain_s, 2),
+                              "rag_vs_llamacpp": round(ours["lookup"]["tok_s"] / plain_s, 3),
+                              "rag_off_vs_llamacpp": round(ours["off_tok_s"] / plain_s, 3)}
+    line = (f"llama.cpp, rag 1 stream: {plain_s:.2f} tok/s (rounds {[round(r, 2) for r in plain]}); this engine with "
+            f"prompt lookup {out['rag_vs_llamacpp']:.2f}x it, without {out['rag_off_vs_llamacpp']:.2f}x")
+    if looked:
+        looked_s = statistics.median(looked)
+        out.update(llamacpp_lookup_rag_1_tok_s=round(looked_s, 2),
+                   rag_vs_llamacpp_lookup=round(ours["lookup"]["tok_s"] / looked_s, 3))
+        line += (f"; llama.cpp with its own prompt lookup ({LLAMACPP_LOOKUP_TOKENS} tokens) {looked_s:.2f} tok/s, "
+                 f"this engine's lookup {out['rag_vs_llamacpp_lookup']:.2f}x it")
+    print(line)
     return out
 
 
@@ -242,6 +282,8 @@ def main() -> None:
     if isinstance(small, dict) and "rag_1" in small:  # issue 18's keys, for the default model
         results["rag_lookup_speedup"] = small["rag_1"]["lookup"]["speedup"]
         results["acceptance_rate"] = small["rag_1"]["lookup"]["acceptance_rate"]
+        results["rag_vs_llamacpp"] = small.get("rag_vs_llamacpp")
+        results["rag_vs_llamacpp_lookup"] = small.get("rag_vs_llamacpp_lookup")
     if isinstance(large, dict) and "rag_1" in large:  # the 1.5B drafted for by the 0.5B, against the 1.5B alone
         results["draft_speedup"] = large["rag_1"]["draft"]["speedup"]
         results["draft_speedup_free"] = large["free_1"]["draft"]["speedup"]
