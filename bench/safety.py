@@ -65,11 +65,52 @@ def input_latency(rows: list[dict], repeats: int) -> dict:
     return out
 
 
+def ttft_real(messages: list[str], tmp: Path) -> tuple[list[float], list[float]]:
+    """First-token times on the packaged small model, unguarded and guarded turns interleaved (two
+    assistants, each with its own engine, built once and warmed on the first message)."""
+    from assistant.app import build_assistant
+    from assistant.config import AssistantConfig
+    from assistant.store import Store
+
+    models = AssistantConfig.load(env={}).resolved_models_dir
+    built = []
+    for guarded in (False, True):
+        config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp / str(guarded)), "models_dir": str(models),
+                                                         "safety.enabled": guarded, "engine.large_model": "",
+                                                         "engine.max_new_tokens": 8})
+        built.append(build_assistant(config, store=Store("sqlite://"), tools=[]))
+    times: tuple[list[float], list[float]] = ([], [])
+    try:
+        for i, text in enumerate([messages[0], *messages]):
+            for which, assistant in enumerate(built):
+                t = time.perf_counter()
+                for event in assistant.turn(None, text):
+                    if event.type in ("text_delta", "done"):
+                        if i:  # the first message only warms both up
+                            times[which].append((time.perf_counter() - t) * 1000)
+                        break
+                for _ in assistant.turn(None, "ok"):  # nothing left running between measurements
+                    pass
+    finally:
+        for assistant in built:
+            assistant.close()
+    return times
+
+
+def _guard():
+    from assistant.config import AssistantConfig
+    from assistant.safety.layer import SafetyLayer
+
+    return SafetyLayer.from_config(AssistantConfig.load(env={})).input_guard.for_conversation(None)
+
+
 def _pct(values: np.ndarray, q: float) -> float:
     return round(float(np.percentile(values, q)), 2) if len(values) else 0.0
 
 
 def ttft(messages: list[str], engine_ms: float, guarded: bool, tmp: Path) -> list[float]:
+    """First-token times of `messages` as turns, with a stand-in engine that sleeps `engine_ms` before its
+    first token."""
     from assistant.app import build_assistant
     from assistant.config import AssistantConfig
     from assistant.engine.fake import ScriptedEngine
@@ -100,6 +141,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine-ms", type=float, default=400.0, help="stand-in prefill time of the model")
     parser.add_argument("--turns", type=int, default=30)
+    parser.add_argument("--real-turns", type=int, default=12, help="turns on the packaged model whose message gets "
+                        "the second opinion (0: skip)")
     args = parser.parse_args()
     rows = [json.loads(line) for name in ("safety_train.jsonl", "safety_heldout.jsonl", "safety_heldout_v2.jsonl",
                                           "safety_heldout_v3.jsonl", "safety_heldout_v4.jsonl", "safety_heldout_v5.jsonl",
@@ -127,6 +170,20 @@ def main() -> None:
                       "guarded_p50_ms": round(p50_guarded, 1), "added_fraction": round(p50_guarded / p50_plain - 1, 4)}
     print(f"TTFT p50 unguarded {p50_plain:.1f} ms, guarded {p50_guarded:.1f} ms: "
           f"+{result['ttft']['added_fraction']:.1%} (goal <= 5%)")
+    if args.real_turns:  # the worst case: every message in the doubt band, the real model prefilling beside it
+        layer_guard = _guard()
+        doubtful = [t for t in (r["text"] for r in rows if r["label"] == "allow")
+                    if layer_guard.check_early(t, where="input").pending is not None][: args.real_turns]
+        with tempfile.TemporaryDirectory() as tmp:
+            plain, guarded = ttft_real(doubtful, Path(tmp))
+        ratios = [g / p for p, g in zip(plain, guarded)]
+        result["ttft_real_doubtful"] = {"turns": len(doubtful), "unguarded_p50_ms": round(float(np.median(plain)), 1),
+                                        "guarded_p50_ms": round(float(np.median(guarded)), 1),
+                                        "added_fraction": round(float(np.median(ratios)) - 1, 4)}
+        r = result["ttft_real_doubtful"]
+        print(f"TTFT with the packaged model, {r['turns']} benign messages that all get the second opinion: p50 "
+              f"unguarded {r['unguarded_p50_ms']} ms, guarded {r['guarded_p50_ms']} ms: median pair "
+              f"+{r['added_fraction']:.1%}")
     print(json.dumps(result))
 
 

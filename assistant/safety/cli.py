@@ -105,11 +105,19 @@ def _train_probe(args, config, rows: list[dict], trained_on: dict) -> None:
     import torch
     from tqdm import tqdm
 
+    from assistant.errors import ConfigError
+    from assistant.safety.evaluate import load_rows
     from assistant.safety.head import HEAD_DIR, training_label
-    from assistant.safety.probe import PROBE_HEAD_NAME, ProbeFeaturizer, train_probe
+    from assistant.safety.probe import PROBE_EXTRA_DATA, PROBE_HEAD_NAME, ProbeFeaturizer, train_probe
 
     started = time.perf_counter()
     torch.set_num_threads(max(1, os.cpu_count() or 1))  # faster; the features move only in their last bits
+    extra = [Path(args.data).with_name(name) for name in PROBE_EXTRA_DATA]
+    missing = [str(f) for f in extra if not f.is_file()]
+    if missing:
+        raise ConfigError(f"The probe also trains on the older held-out sets beside {args.data}; missing: "
+                          f"{', '.join(missing)}.")
+    rows = [*rows, *(r for f in extra for r in load_rows(f))]
     total = sum(r.get("where", "input") == "input" and training_label(r) is not None for r in rows)
     try:
         with tqdm(total=total, unit="message", desc="Reading messages with the chat model", file=sys.stderr,
@@ -119,6 +127,7 @@ def _train_probe(args, config, rows: list[dict], trained_on: dict) -> None:
     finally:
         _single_thread()
     card["trained_on"] = trained_on
+    card["also_trained_on"] = [{"file": f.name, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()} for f in extra]
     path = head.save(Path(args.out) if args.out else HEAD_DIR, card=card, name=PROBE_HEAD_NAME)
     saved = json.loads(path.with_suffix(".json").read_text())
     print(f"{PROBE_HEAD_NAME} ({head.featurizer}; layers {','.join(map(str, head.layers))}, C {card['C']}): trained on "

@@ -45,6 +45,12 @@ PROBE_FEATURIZER = "qwen2.5-coder-0.5b-l12-bf16"
 PROBE_HEAD_NAME = "safety_probe"
 HIDDEN = 896  # the 0.5B model's hidden size
 MAX_TOKENS = 200  # of the message read
+# The probe also learns from the held-out sets whose mistakes earlier sessions read (no longer blind,
+# eleven different writers): leave-one-set-out over them, training on the rest, took the default
+# policy's input stage from 97.2% caught / 2.8% blocked to 97.8% / 2.2% on the set left out. v12 and
+# later stay held out. The heads (head.py) keep learning from the training file alone.
+PROBE_EXTRA_DATA = ("safety_heldout.jsonl", "safety_heldout_short.jsonl", *(f"safety_heldout_v{n}.jsonl"
+                                                                           for n in range(2, 12)))
 SYSTEM_LINE = "You are a helpful assistant."
 
 
