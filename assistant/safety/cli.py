@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     safety = subparsers.add_parser("safety", help="safety classifiers: train the head, check text, policies, audit")
     sub = safety.add_subparsers(dest="safety_command", required=True, metavar="ACTION")
     train = sub.add_parser("train", help="train the safety heads, the chat-model probe and the tuned classifier on "
-                                         "the labelled set (reproducible; about 3 + 2 + 10 minutes on 2 vCPUs)")
+                                         "the labelled set (reproducible; about 3 + 7 + 10 minutes on 2 vCPUs)")
     train.add_argument("--data", default=str(DEFAULT_TRAIN), help="labelled JSONL (default tests/data/safety_train.jsonl)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", default=None, help="head directory (default assistant/safety/models)")
