@@ -173,6 +173,10 @@ class SafetyConfig:
     policy: str = "default"  # default | strict | permissive-research | a name in policies_dir | a .toml path
     policies_dir: str = ""  # a folder of your own policy files (*.toml), added to the shipped ones
     head_dir: str = ""  # the trained head (safety_head.npz + .json); "" = the one shipped in assistant/safety/models
+    # the policies' second opinions (the probe on the chat model, assistant/safety/probe.py): more caught and
+    # fewer blocked, at ~120-160 ms more before the first token of a turn whose message is in doubt; false = the
+    # heads decide alone
+    second_opinion: bool = True
 
 
 @dataclass(frozen=True)

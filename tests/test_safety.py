@@ -300,6 +300,15 @@ def test_without_its_model_the_second_opinion_leaves_the_head_to_decide_alone():
     assert not verdict.allowed and verdict.detector == "head" and verdict.score == 0.7
 
 
+def test_the_second_opinion_can_be_switched_off_in_the_config():
+    probe = SlowProbe()
+    safety = SafetyLayer(detectors(head=Doubtful(), probe=probe), MemoryAudit(), second_opinion=False)
+    assert safety.input_guard.check("maybe a bad thing", where="input").allowed  # the head's 0.5 alone: under 0.6
+    guard = safety.input_guard.for_conversation("c1")
+    assert guard.check_early("maybe a bad thing", where="input").pending is None and probe.calls == 0
+    assert AssistantConfig.load(env={"ASSISTANT_SAFETY_SECOND_OPINION": "false"}).safety.second_opinion is False
+
+
 def test_a_second_opinion_must_name_a_detector_of_its_stage(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "bad"\n[stages.input]\ndetectors = ["head"]\n'

@@ -91,20 +91,23 @@ class SafetyGuard:
 
     def __init__(self, detectors: Mapping[str, Detector], policies: PolicyBook, audit: SafetyAudit,
                  *, conversation_id: str | None = None, key_id: str | None = None,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, second_opinion: bool = True) -> None:
         self.detectors, self.policies, self.audit = dict(detectors), policies, audit
         self.conversation_id, self.key_id = conversation_id, key_id
         self.policy = policy or policies.default
+        self.second_opinion = second_opinion  # false: policies' second opinions are not asked (safety.second_opinion)
 
     def for_conversation(self, conversation_id: str | None, key_id: str | None = None) -> "SafetyGuard":
         return SafetyGuard(self.detectors, self.policies, self.audit, conversation_id=conversation_id,
-                           key_id=key_id, policy=self.policies.for_conversation(conversation_id))
+                           key_id=key_id, policy=self.policies.for_conversation(conversation_id),
+                           second_opinion=self.second_opinion)
 
     def for_policy(self, policy: str | None, *, key_id: str | None = None) -> "SafetyGuard":
         """The guard under a named policy (an API key's tier) for text outside any conversation;
         None or "": the default policy."""
         return SafetyGuard(self.detectors, self.policies, self.audit, key_id=key_id,
-                           policy=self.policies.get(policy) if policy else self.policies.default)
+                           policy=self.policies.get(policy) if policy else self.policies.default,
+                           second_opinion=self.second_opinion)
 
     def check(self, text: str, *, where: str) -> Verdict:
         return self._verdict(text, where, self.hit(text, where=where))
@@ -113,7 +116,8 @@ class SafetyGuard:
         """Load every detector this guard's policy names (a second opinion only runs for doubtful texts,
         so a warm-up text would not load it)."""
         for stage in self.policy.stages.values():
-            names = (*stage.detectors, *((stage.second_opinion.detector,) if stage.second_opinion else ()))
+            second = stage.second_opinion if self.second_opinion else None
+            names = (*stage.detectors, *((second.detector,) if second else ()))
             for name in names:
                 load = getattr(self.detectors.get(name), "model", None)
                 if callable(load):
@@ -170,7 +174,7 @@ class SafetyGuard:
         stage = policy.stage(where)
         if not text.strip() or not stage.detectors:
             return None, None
-        second = stage.second_opinion
+        second = stage.second_opinion if self.second_opinion else None
         best: Hit | None = None
         doubt: Score | None = None
         alone: Hit | None = None  # the doubtful detector's own hit, should the second opinion fail

@@ -35,10 +35,10 @@ class Moderation:
 
 class SafetyLayer:
     def __init__(self, detectors: Mapping[str, Detector], audit: SafetyAudit, *, policy: str = "default",
-                 policies_dir: str | None = None, protected: Sequence[str] = ()) -> None:
+                 policies_dir: str | None = None, protected: Sequence[str] = (), second_opinion: bool = True) -> None:
         self.audit = audit
         self.policies = PolicyBook(policy, audit, policies_dir, detectors)
-        self.guard = SafetyGuard(detectors, self.policies, audit)
+        self.guard = SafetyGuard(detectors, self.policies, audit, second_opinion=second_opinion)
         self.leaks = LeakMatcher(protected)
         self.policies_dir = policies_dir
 
@@ -48,7 +48,7 @@ class SafetyLayer:
         s = config.safety
         if detectors is None:
             detectors = real_detectors(s.head_dir or None, config.resolved_models_dir)
-        return cls(detectors, audit, policy=s.policy, policies_dir=s.policies_dir or None, protected=[config.system_prompt])
+        return cls(detectors, audit, second_opinion=s.second_opinion, policy=s.policy, policies_dir=s.policies_dir or None, protected=[config.system_prompt])
 
     def screen(self, texts: Sequence[str], where: str = "retrieved") -> int:
         """Score passages ahead of use (a document's chunks at ingest): their scores go to the score
