@@ -315,6 +315,12 @@ def test_a_second_opinion_must_name_a_detector_of_its_stage(tmp_path):
                    '[stages.input.second_opinion]\ndetector = "probe"\nafter = "tuned"\nband = [0.1, 0.9]\n')
     with pytest.raises(ConfigError, match="second_opinion"):
         load_policy(str(bad))
+    unjudged = tmp_path / "unjudged.toml"
+    unjudged.write_text('name = "unjudged"\n[stages.input]\ndetectors = ["head"]\ncategories = ["weapons"]\n'
+                        '[stages.input.second_opinion]\ndetector = "probe"\nafter = "head"\nband = [0.1, 0.9]\n'
+                        '[categories.weapons]\nthresholds = { head = 0.6 }\n')
+    with pytest.raises(ConfigError, match="no threshold"):
+        load_policy(str(unjudged))
 
 
 def test_a_turn_waits_for_the_second_opinion_before_showing_anything(tmp_path, monkeypatch):

@@ -199,11 +199,14 @@ class SafetyGuard:
 
         def later() -> Hit | None:
             try:
-                return self._second_opinion(text, where, policy, doubt, best)
+                decided, hit = self._second_opinion(text, where, policy, doubt, best)
             except AssistantError as e:  # e.g. the chat model is not prepared: decide as before it existed
                 _warn_once(f"The safety second opinion ({second.detector}) is unavailable, so the {second.after} "
                            f"decides alone: {e}")
-                return alone if alone is not None and (best is None or alone.key > best.key) else best
+                decided, hit = False, None
+            if decided:
+                return hit
+            return alone if alone is not None and (best is None or alone.key > best.key) else best
 
         return best, later
 
@@ -220,25 +223,27 @@ class SafetyGuard:
                     best = candidate
         return best
 
-    def _second_opinion(self, text: str, where: str, policy: Policy, doubt: Score, best: Hit | None) -> Hit | None:
-        """The mean of the doubtful detector's top score and the second opinion's, under the second
-        opinion's threshold for the stronger category; the better of that and `best`."""
+    def _second_opinion(self, text: str, where: str, policy: Policy, doubt: Score,
+                        best: Hit | None) -> tuple[bool, Hit | None]:
+        """(decided, hit): the mean of the doubtful detector's top score and the second opinion's, under
+        the second opinion's threshold for the stronger category; the better of that and `best`. Not
+        decided when the second opinion scored none of the stage's categories."""
         stage = policy.stage(where)
         second = stage.second_opinion
         detector = self.detectors[second.detector]
         wanted = self._wanted(policy, stage.categories, second.detector, detector)
         scored = [s for s in self._scores(detector, text, where) if s.category in wanted]
         if not scored:
-            return best
+            return False, None
         top = max(scored, key=lambda s: s.score)
         category = doubt.category if doubt.category in wanted and doubt.score >= top.score else top.category
         rule = policy.rule(category)
         threshold = stage.thresholds.get(second.detector, rule.thresholds[second.detector])
         combined = (doubt.score + top.score) / 2
         if combined < threshold:
-            return best
+            return True, best
         candidate = Hit(Score(category, combined, f"{second.after}+{second.detector}"), threshold, rule.action)
-        return candidate if best is None or candidate.key > best.key else best
+        return True, candidate if best is None or candidate.key > best.key else best
 
     @staticmethod
     def _wanted(policy: Policy, categories: tuple[str, ...], name: str, detector: Detector) -> list[str]:

@@ -122,6 +122,14 @@ class Policy:
                 raise ConfigError(f"{where}: output.{name}={action!r}; use {', '.join(OUTPUT_ACTIONS)}.")
         if "name" not in raw:
             raise ConfigError(f"{where}: a policy needs a name.")
+        for name, stage in stages.items():
+            second = stage.second_opinion
+            unjudged = [c for c in stage.categories if second is not None and c in categories
+                        and second.after in categories[c].thresholds and second.detector not in categories[c].thresholds]
+            if unjudged:
+                raise ConfigError(f"{where}: stages.{name}.second_opinion asks {second.detector!r}, but categories "
+                                  f"{', '.join(unjudged)} give it no threshold: add {second.detector} = 0.5 (for "
+                                  "example) to their thresholds.")
         return cls(str(raw["name"]), str(raw.get("description", "")), stages, categories, output)
 
 
