@@ -8,7 +8,9 @@ Design note — the turn:
   2. the input guard (bound to the conversation: its safety policy and audit) checks the question
      *before* it is stored; an allowed verdict that names a category is a warning, shown as an event. A blocked question is stored marked
      `blocked` (never shown to the model again), the refusal is stored as the answer, and the turn
-     ends with SafetyVerdict + Done(finish_reason="blocked");
+     ends with SafetyVerdict + Done(finish_reason="blocked"). A message the fast detectors leave in
+     doubt gets a slower second opinion that reads beside the turn's start (`_gated`): nothing of the
+     answer is shown until it has spoken, and a block then ends the turn the same way;
   3. the user message is committed, then an assistant message is inserted as `partial` under it and
      TurnStarted carries both ids (what a UI needs to cancel, regenerate or edit);
   4. the agent loop (assistant/agent_loop.py) runs the steps; its streamed text is flushed to the
@@ -177,7 +179,7 @@ class Orchestrator:
         """The turn's events, held back while the input's second opinion is pending.
 
         Design note — the second opinion reads beside the turn: a message the fast detectors leave in
-        doubt is read again by a slower one (~50-100 ms, assistant/safety/probe.py). Meanwhile the
+        doubt is read again by a slower one (~120-160 ms here, assistant/safety/probe.py). Meanwhile the
         turn starts: retrieval runs and the model's prefill begins, so the user waits for the slower of
         the two, not their sum. Only events that show nothing of the answer pass before the verdict:
         TurnStarted, the automatic document search (ToolCallStarted/Finished "auto_*") and
