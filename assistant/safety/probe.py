@@ -13,17 +13,18 @@ Design notes:
     of layers PROBE_LAYERS mean-pooled over the message's own tokens (its first MAX_TOKENS), side by
     side: (3 * 896,). One text at a time, as in use.
   * Measured on the held-out sets v1-v11 and "short" (2,501 user messages, no longer blind), a head
-    trained on tests/data/safety_train.jsonl alone, at 0.6: layers 6+9+12 caught 96.2% and blocked
+    trained on tests/data/safety_train.jsonl alone, float32 features, at 0.6: layers 6+9+12 caught 96.2% and blocked
     2.2% (the production input stage then: 93.1% / 4.0%); 12+18 and 9+15+21 did no better for the
     layers they run. bfloat16 weights give the float32 features (cosine > 0.9999) at half the time;
     int8 dynamic quantisation, which serves MiniLM well, does not: one scale per activation tensor
     cannot hold this model's outlier channels (cosine 0.90-0.96, and the head fell to 88.5% / 5.4%).
-  * Cost: ~170 ms p50 / ~230 ms p95 for a message on one thread here, far over the 30 ms input
-    budget for every message. So it is a *second opinion* (assistant/safety/guard.py): it runs
+  * Cost: 118 ms p50 / 160 ms p95 on one thread here for the messages bench/safety.py sends it (167 /
+    234 ms on 40 longer ones), far over the 30 ms input budget for every message. So it is a *second opinion* (assistant/safety/guard.py): it runs
     only when the first head's top harmful score falls in the policy's doubt band, and the guard
     starts it beside the turn rather than before it: the turn's retrieval and the model's prefill go
     on while it reads, and nothing the model writes is shown (and no tool runs) until it has spoken
-    (assistant/orchestrator.py `_gated`).
+    (assistant/orchestrator.py `_gated`). A short chat turn prefills in ~90 ms here, so there the
+    first token still comes ~165 ms later; `safety.second_opinion = false` turns it off.
   * The head itself is head.py's: multinomial logistic regression over benign and every input
     category, standardised features folded into one linear map, plain arrays plus a hashed JSON card,
     trained by `assistant safety train` (`--only probe`), never pickled.
