@@ -133,8 +133,9 @@ def _train_probe(args, config, rows: list[dict], trained_on: dict) -> None:
     print(f"{PROBE_HEAD_NAME} ({head.featurizer}; layers {','.join(map(str, head.layers))}, C {card['C']}): trained on "
           f"{card['num_rows']} user messages in {time.perf_counter() - started:.0f} s; saved {path} "
           f"(version {saved['version']}, sha256 {saved['sha256'][:16]}…)")
-    print("  5-fold CV, user messages: " + "; ".join(f"{t}: catch {m['catch_rate']:.1%} fp {m['false_positive_rate']:.1%}"
-                                                      for t, m in card["cv5_user_messages_by_threshold"].items()))
+    rates = card["cv5_user_messages_by_threshold"].items()
+    print("  5-fold CV, user messages: "
+          + "; ".join(f"{t}: catch {m['catch_rate']:.1%} fp {m['false_positive_rate']:.1%}" for t, m in rates))
 
 
 def _train_tuned(args, rows: list[dict], trained_on: dict) -> None:

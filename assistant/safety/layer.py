@@ -48,7 +48,8 @@ class SafetyLayer:
         s = config.safety
         if detectors is None:
             detectors = real_detectors(s.head_dir or None, config.resolved_models_dir)
-        return cls(detectors, audit, second_opinion=s.second_opinion, policy=s.policy, policies_dir=s.policies_dir or None, protected=[config.system_prompt])
+        return cls(detectors, audit, policy=s.policy, policies_dir=s.policies_dir or None,
+                   protected=[config.system_prompt], second_opinion=s.second_opinion)
 
     def screen(self, texts: Sequence[str], where: str = "retrieved") -> int:
         """Score passages ahead of use (a document's chunks at ingest): their scores go to the score

@@ -138,8 +138,9 @@ def _second_opinion(stage: dict, where: str) -> SecondOpinion | None:
     if raw is None:
         return None
     band = raw.get("band", ())
+    numbers = isinstance(band, list) and len(band) == 2 and all(isinstance(b, (int, float)) for b in band)
     ok = (isinstance(raw.get("detector"), str) and raw.get("after") in stage.get("detectors", ())
-          and len(band) == 2 and 0.0 <= float(band[0]) < float(band[1]) <= 1.0)
+          and numbers and 0.0 <= float(band[0]) < float(band[1]) <= 1.0)
     if not ok:
         raise ConfigError(f"{where}.second_opinion needs detector = \"<name>\", after = one of the stage's detectors, "
                           "and band = [low, high] with 0 <= low < high <= 1.")
