@@ -204,8 +204,7 @@ class Orchestrator:
 
     def _blocked_late(self, cid: str, user: StoredMessage, answer_id: str, verdict: Any) -> Iterator[TurnEvent]:
         """A turn already started whose question the second opinion blocked: stored as `_refuse` stores it."""
-        audit = {"category": verdict.category, "score": verdict.score, "threshold": verdict.threshold,
-                 "detector": verdict.detector}
+        audit = _verdict_meta(verdict)
         self.store.update_message(user.id, status="blocked", meta={**user.meta, "verdict": audit})
         if answer_id:
             self.store.update_message(answer_id, content=verdict.reason, status="complete",
@@ -251,8 +250,7 @@ class Orchestrator:
     def _refuse(self, cid: str, text: str, meta: dict[str, Any], verdict: Any) -> Iterator[TurnEvent]:
         reason = verdict.reason or (f"This message was blocked by the safety policy ({verdict.category or 'unsafe'}). "
                                     "Rephrase it, or ask the administrator about the policy.")
-        audit = {"category": verdict.category, "score": verdict.score, "threshold": verdict.threshold,
-                 "detector": verdict.detector}
+        audit = _verdict_meta(verdict)
         user = self.store.add_message(cid, "user", text, status="blocked", meta={**meta, "verdict": audit})
         answer = self.store.add_message(cid, "assistant", reason, parent_id=user.id,
                                         meta={"finish_reason": "blocked", "verdict": audit})
@@ -345,6 +343,12 @@ class Orchestrator:
                   {"role": "user", "content": f"Summarise this conversation in a few sentences:\n\n{transcript}"}]
         params = SamplingParams(max_tokens=max_tokens)
         return "".join(d.text for d in self.engine.generate(prompt, params)).strip()
+
+
+def _verdict_meta(verdict: Any) -> dict[str, Any]:
+    """What a blocked message's meta keeps of the verdict (the audit table has the rest)."""
+    return {"category": verdict.category, "score": verdict.score, "threshold": verdict.threshold,
+            "detector": verdict.detector}
 
 
 def _before_verdict(event: TurnEvent) -> bool:
