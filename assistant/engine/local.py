@@ -71,6 +71,7 @@ from assistant.engine.model import SeqBatch, Transformer
 from assistant.engine.sampling import accept_greedy, accept_sampled, logits_to_probs, sample
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from assistant.engine.speculate import Speculator
+from assistant.engine.taps import HiddenTap
 from assistant.errors import EngineBusy, EngineError, ModelError
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class _Stream:
     stops: StopMatcher
     generator: Any  # torch.Generator for seeded sampling, or None
     user_cancel: threading.Event | None
+    tap: Any = None  # taps.HiddenTap filled while the prompt is prefilled, or None
 
 
 def resolve_quantize(quantize: str, device: Any) -> str | None:
@@ -213,19 +215,35 @@ class LocalEngine(ChatTemplateEncoding, Engine):
 
     # -- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, *, tools: Sequence[dict] | None = None,
-                 cancel: threading.Event | None = None) -> Iterator[TokenDelta]:
-        request = self.submit(self.checked_prompt_ids(prompt, params, tools), params, cancel)
+                 cancel: threading.Event | None = None, tap: HiddenTap | None = None) -> Iterator[TokenDelta]:
+        """Engine.generate; `tap` (taps.py) also collects the mean hidden states of a message in the
+        prompt while it prefills."""
+        try:
+            request = self.submit(self.checked_prompt_ids(prompt, params, tools), params, cancel, tap=tap)
+        except BaseException:
+            if tap is not None:
+                tap.decline("the request was refused")
+            raise
         return self._stream(request)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event | None = None) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event | None = None, *,
+               tap: HiddenTap | None = None) -> Request:
         self._check_request(prompt_ids, params)
         prompt_ids = [int(t) for t in prompt_ids]
         generator = None
         if params.seed is not None and params.temperature > 0:
             generator = self._torch.Generator(device=self.device).manual_seed(params.seed)
         request = Request(list(prompt_ids), params, max_len=self.context_window)
+        if tap is not None:
+            bad = next((n for n in tap.layers if not 0 < n <= self.model.args.num_layers), None)
+            if bad is not None:
+                raise ValueError(f"The model has {self.model.args.num_layers} layers: no hidden state {bad} to tap.")
+            if tap.bind(prompt_ids, lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]):
+                request.cache_limit = tap.limit  # every position of the span is computed by this request
+            else:
+                tap = None
         request.state = _Stream(queue.SimpleQueue(), IncrementalDetokenizer(self.tokenizer, prompt_ids),
-                                StopMatcher(params.stop), generator, cancel)
+                                StopMatcher(params.stop), generator, cancel, tap)
         with self._cond:
             if self._closed:
                 raise EngineError("The engine has been shut down.")
@@ -292,6 +310,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                     out = self.scheduler.schedule()
                 scheduled = out.scheduled
                 for r in out.refused:
+                    if r.state.tap is not None:
+                        r.state.tap.decline("the request did not fit in the KV cache")
                     r.state.out.put(EngineError(
                         f"This request needs {r.num_tokens} tokens of KV memory but the cache holds "
                         f"{self.blocks.num_blocks * self.blocks.block_size}: raise engine.kv_cache_mb."))
@@ -323,6 +343,9 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             for r, _ in scheduled:
                 self._fail(r, self._error("Generation failed", e))
             return
+        for seq, (r, _) in zip(seqs, scheduled):
+            if seq.tap is not None:  # its rows of this step are summed in: the span is done up to here
+                seq.tap.advance(r.num_computed_tokens + seq.tap_rows[1])
         self._process(scheduled, logits)
         if self.speculator is not None and not prefill:  # what a step of so many rows costs, with its streaming
             self.speculator.observe_step(len(tokens), time.perf_counter() - start)
@@ -355,12 +378,16 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         for r in [*self.scheduler.running, *self.scheduler.waiting]:
             if r.cancel.is_set() or (r.state.user_cancel is not None and r.state.user_cancel.is_set()):
                 self.scheduler.finish(r, RequestStatus.FINISHED_CANCELLED)
+                if r.state.tap is not None:
+                    r.state.tap.decline("the request was cancelled")
                 r.state.out.put(self._delta(r, "", (), FINISH_CANCELLED))
 
     def _fail(self, request: Request, error: Exception) -> None:
         with self._cond:
             if not request.status.finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_CANCELLED)
+        if request.state.tap is not None:
+            request.state.tap.decline(f"the request failed: {error}")
         request.state.out.put(error)
 
     def _inputs(self, scheduled: list[tuple[Request, int]]) -> tuple[Any, ...] | None:
@@ -368,7 +395,9 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         cannot be built (say a token id outside the vocabulary slipped past `submit`) is failed and
         left out of the step. None when nothing is left to run."""
         vocab = self.model.args.vocab_size
-        graphed = self.graphs is not None and len(scheduled) <= self.graphs.max_batch and all(
+        taps = {r.request_id: (r.state.tap, rows) for r, n in scheduled if r.state.tap is not None
+                and (rows := r.state.tap.rows(r.num_computed_tokens, n)) is not None}
+        graphed = self.graphs is not None and len(scheduled) <= self.graphs.max_batch and not taps and all(
             n == 1 and not r.draft_ids for r, n in scheduled)  # a plain decode step: no slot tensors needed
         kept: list[tuple[Request, int]] = []
         tokens: list[int] = []
@@ -381,7 +410,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                 if len(new) != n or not all(isinstance(t, int) and 0 <= t < vocab for t in new):
                     raise ValueError(f"invalid token ids for positions {start}..{start + n - 1}")
                 slots = None if graphed else self.kv.slots(r.block_table, start + n)
-                seq = SeqBatch(len(tokens), n, start + n, slots, len(r.prompt_ids), num_logits=1 + len(r.draft_ids))
+                seq = SeqBatch(len(tokens), n, start + n, slots, len(r.prompt_ids), num_logits=1 + len(r.draft_ids),
+                               **(dict(zip(("tap", "tap_rows"), taps[r.request_id])) if r.request_id in taps else {}))
             except Exception as e:
                 log.exception("request %s failed while building its step inputs", r.request_id)
                 self._fail(r, self._error("This request failed", e))

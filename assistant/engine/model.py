@@ -104,6 +104,8 @@ class SeqBatch:
     # graphed decode step, which reads block tables instead: local.py, cuda_graphs.py)
     prompt_len: int = 0  # positions below this are prompt tokens (prefill kernel for int8)
     num_logits: int = 1  # logits rows wanted: at its last `num_logits` new tokens (1 + drafts when verifying)
+    tap: Any = None  # a taps.HiddenTap reading some of this step's rows, which are `tap_rows` [a, b) of its new tokens
+    tap_rows: tuple[int, int] = (0, 0)
 
 
 class Transformer:
@@ -141,12 +143,20 @@ class Transformer:
         self.ops = int8_kernels() if native_ok else None
         # steps where every sequence attends natively run all layers in one call (csrc/decode_stack.cpp)
         self.stack = None
+        self._stacks: dict[tuple[int, int], Any] = {}  # runs of layers (a hidden-state tap reads between them)
         if self.ops is not None and all(layer[n].native is not None for layer in self.layers for n in LINEARS):
+            self.stack = self._layer_stack(0, args.num_layers)
+
+    def _layer_stack(self, first: int, end: int) -> Any:
+        """Layers [first, end) as one native call (the tensors are shared, not copied)."""
+        if (first, end) not in self._stacks:
             def tensors(lin: Linear) -> list[torch.Tensor]:
                 return [lin.vnni, lin.scale, lin.weight, torch.empty(0) if lin.bias is None else lin.bias]
 
-            self.stack = self.ops.DecodeStack([[layer["attn_norm"], layer["mlp_norm"],
-                                                *(t for n in LINEARS for t in tensors(layer[n]))] for layer in self.layers])
+            self._stacks[first, end] = self.ops.DecodeStack([[layer["attn_norm"], layer["mlp_norm"],
+                                                              *(t for n in LINEARS for t in tensors(layer[n]))]
+                                                             for layer in self.layers[first:end]])
+        return self._stacks[first, end]
 
     @classmethod
     def from_hf(cls, hf_model: Any, *, quantize: str | None = None) -> "Transformer":
@@ -207,10 +217,15 @@ class Transformer:
             cos = (self.cos[positions].unsqueeze(1) * self.head_scale).to(self.dtype)  # (T, H + KVH, hd)
             sin = (self.sin[positions].unsqueeze(1) * self.head_scale).to(self.dtype)
         h = self.embed[tokens]  # (T, D)
+        taps = [s for s in seqs if s.tap is not None]
         stacked = self.stack is not None and native_attention
-        if stacked:  # the loop below, in one native call
-            h = self.stack.run(h, cos, sin, new_slots, kv.k, kv.v, *attend_args, rows.refine, rows.num_refined,
-                               a.rms_eps, a.num_heads, a.num_kv_heads, a.head_dim ** -0.5)
+        if stacked:  # the loop below, in native calls: one, or one per run of layers between tapped ones
+            cuts = sorted({n for s in taps for n in s.tap.layers if 0 < n < a.num_layers})
+            for first, end in zip([0, *cuts], [*cuts, a.num_layers]):
+                h = self._layer_stack(first, end).run(
+                    h, cos, sin, new_slots, kv.k[first:end], kv.v[first:end], *attend_args, rows.refine,
+                    rows.num_refined, a.rms_eps, a.num_heads, a.num_kv_heads, a.head_dim ** -0.5)
+                _read_taps(taps, end, h)
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         for i, layer in enumerate(() if stacked else self.layers):
             qkv = layer["qkv"](norm(h, layer["attn_norm"]), rows)
@@ -242,6 +257,7 @@ class Transformer:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
             h = h + layer["down"](act, rows)
+            _read_taps(taps, i + 1, h)
         last = torch.tensor([i for s in seqs for i in range(s.start + s.num_new - s.num_logits, s.start + s.num_new)],
                             device=h.device)
         return norm(h[last], self.norm)
@@ -266,6 +282,14 @@ class Transformer:
             gate, up = layer["gate_up"](rms_norm(h, layer["mlp_norm"], a.rms_eps)).chunk(2, dim=-1)
             h = h + layer["down"](F.silu(gate) * up)
         return rms_norm(h, self.norm, a.rms_eps)
+
+
+def _read_taps(taps: Sequence[SeqBatch], layer: int, h: torch.Tensor) -> None:
+    """Hand each tap reading `layer` (the output of that many layers) the sum of its rows of h."""
+    for s in taps:
+        if layer in s.tap.layers:
+            a, b = s.tap_rows
+            s.tap.add(s.tap.layers.index(layer), h[s.start + a:s.start + b].sum(0))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rowwise: bool = False) -> torch.Tensor:

@@ -69,6 +69,7 @@ class Request:
     state: Any = None  # engine-side per-request state (detokenizer, output queue, ...)
     draft_ids: list[int] = field(default_factory=list)  # speculative tokens verified in this step (after all_ids)
     spec: Any = None  # speculation state (speculate.SpecState), made on first use
+    cache_limit: int | None = None  # only blocks within the first this many tokens may come from the prefix cache
 
     @property
     def all_ids(self) -> list[int]:
@@ -153,7 +154,7 @@ class Scheduler:
                 refused.append(request)
                 continue
             if not request.block_table:
-                request.block_table = self.blocks.match_prefix(request.all_ids)
+                request.block_table = self.blocks.match_prefix(request.all_ids[:request.cache_limit])
                 request.num_computed_tokens = len(request.block_table) * self.blocks.block_size
                 if not request.output_ids:
                     request.num_cached_tokens = request.num_computed_tokens
