@@ -125,6 +125,7 @@ class TurnState:
         self.memory: dict[str, str] | None = None
         self.documents = False  # the conversation had documents to cite this turn
         self.prefer = ""  # the model the user chose for this turn ("small" / "large"; "" = routed per call)
+        self.tap: Any = None  # the input's second opinion reads the first model call's prefill (engine/taps.py)
 
     @property
     def text(self) -> str:
@@ -243,9 +244,10 @@ class AgentLoop:
             route = self.router.choose(prompt_tokens=plan.prompt_tokens, has_documents=bool(turn.ledger),
                                        after_tool_step=bool(steps), prefer=turn.prefer)
             notices: list[str] = []
+            tap, turn.tap = turn.tap, None  # the first call holds the user's message as the turn received it
             engine, stream = self.router.generate(route, plan.messages, params,
                                                   tools=[t.spec() for t in offered] or None, cancel=cancel,
-                                                  notices=notices)
+                                                  notices=notices, tap=tap)
             for line in notices:
                 yield Notice(line)
             turn.start_call(plan, engine, route)

@@ -265,6 +265,8 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
             closers.append(store.close)
         if config.safety.enabled:
             safety = _safety_layer(config, store)
+            if safety.lend_engine(engine, config.system_prompt):  # the second opinion reads the chat model's prefill
+                closers.append(lambda: safety.lend_engine(None))  # before the engine closes (closers run reversed)
             input_guard = input_guard or safety.input_guard
             transformers = [safety.output_guard(), *transformers]
         handle = _retriever_handle(config, retriever)

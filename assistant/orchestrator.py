@@ -126,8 +126,8 @@ class Orchestrator:
         user = self.store.add_message(cid, "user", text, meta=meta)
         cancel = cancel or threading.Event()
         yield from self._gated(self._answer(cid, user, history, params or self.default_params(), cancel,
-                                            speak=turn_input.speak, model=turn_input.model, scope=scope),
-                               verdict, cid, user, cancel)
+                                            speak=turn_input.speak, model=turn_input.model, scope=scope,
+                                            tap=verdict.tap), verdict, cid, user, cancel)
 
     def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
                    cancel: threading.Event | None = None, speak: bool = False,
@@ -160,7 +160,8 @@ class Orchestrator:
                                       meta={"edited_from": old.id})
         cancel = cancel or threading.Event()
         yield from self._gated(self._answer(conversation_id, user, history, params or self.default_params(), cancel,
-                                            speak=speak, scope=scope), verdict, conversation_id, user, cancel)
+                                            speak=speak, scope=scope, tap=verdict.tap),
+                               verdict, conversation_id, user, cancel)
 
     # -- one turn -------------------------------------------------------------------------------
     def _guard(self, cid: str) -> InputGuard:
@@ -179,9 +180,11 @@ class Orchestrator:
         """The turn's events, held back while the input's second opinion is pending.
 
         Design note — the second opinion reads beside the turn: a message the fast detectors leave in
-        doubt is read again by a slower one (~120-160 ms here, assistant/safety/probe.py). Meanwhile the
-        turn starts: retrieval runs and the model's prefill begins, so the user waits for the slower of
-        the two, not their sum. Only events that show nothing of the answer pass before the verdict:
+        doubt is read again by a slower one (assistant/safety/probe.py). Where the turn's model is the
+        one it reads, it reads the turn's own prefill (`verdict.tap`, handed to the first model call:
+        assistant/engine/taps.py), so the verdict is ready with the prompt; elsewhere it runs its own
+        request (~70-100 ms here) while the turn starts (retrieval, the model's prefill), so the user
+        waits for the slower of the two, not their sum. Only events that show nothing of the answer pass before the verdict:
         TurnStarted, the automatic document search (ToolCallStarted/Finished "auto_*") and
         quarantine notices. The first other event (answer text, a tool call about to run, the end)
         waits for the verdict. A block cancels the turn and ends it as a blocked message does: the
@@ -260,11 +263,11 @@ class Orchestrator:
 
     def _answer(self, cid: str, user: StoredMessage, history: list[StoredMessage], params: SamplingParams,
                 cancel: threading.Event | None, *, speak: bool = False, model: str = "",
-                scope: frozenset[str] | None = None) -> Iterator[TurnEvent]:
+                scope: frozenset[str] | None = None, tap: Any = None) -> Iterator[TurnEvent]:
         answer = self.store.add_message(cid, "assistant", "", parent_id=user.id, status="partial")
         yield TurnStarted(cid, user.id, answer.id)
         turn = TurnState(cid, SourceLedger(), None if scope is None else frozenset(scope))
-        turn.prefer = model
+        turn.prefer, turn.tap = model, tap
         chat, ids, memory = _prompt_history(history)
         transformers = [t.for_turn(cid) if hasattr(t, "for_turn") else t for t in self.transformers]
         if self.speaker is not None and (speak or self.config.speech.speak_answers):

@@ -19,9 +19,10 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from assistant.engine.base import Engine, TokenDelta
+from assistant.engine.taps import generate_kwargs
 from assistant.errors import AssistantError, EngineBusy
 
 SMALL, LARGE = "small", "large"
@@ -98,18 +99,20 @@ class Router:
     def engine(self, route: Route) -> Engine:
         return self.large() if route.role == LARGE else self.small
 
-    def generate(self, route: Route, *args, notices: list[str], **kwargs) -> tuple[Engine, Iterator[TokenDelta]]:
+    def generate(self, route: Route, *args, notices: list[str], tap: Any = None,
+                 **kwargs) -> tuple[Engine, Iterator[TokenDelta]]:
         """(engine used, its delta stream). A large-model failure before the first delta falls back to
-        the small engine and appends a user-facing line to `notices`."""
+        the small engine and appends a user-facing line to `notices`. `tap` (assistant/engine/taps.py)
+        goes to the engine that answers when it can fill it, and is declined otherwise."""
         if route.role == SMALL:
-            return self.small, self.small.generate(*args, **kwargs)
+            return self.small, self.small.generate(*args, **generate_kwargs(self.small, tap, kwargs))
         try:
             engine = self.large()
-            stream = engine.generate(*args, **kwargs)
+            stream = engine.generate(*args, **generate_kwargs(engine, tap, kwargs))
             first = next(stream, None)
         except AssistantError as e:
             notices.append(f"The large model is not available right now ({e}); the small model answers instead.")
-            return self.small, self.small.generate(*args, **kwargs)
+            return self.small, self.small.generate(*args, **generate_kwargs(self.small, tap, kwargs))
         return engine, _prepend(first, stream)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from assistant.errors import ToolUnavailable
 from assistant.events import TurnEvent
@@ -63,6 +63,9 @@ class Verdict:
     reason: str = ""  # for the user: why, and what they can do
     # a second opinion still reading (InputGuard.check_early): call it for the final verdict, which may block
     pending: Callable[[], "Verdict"] | None = field(default=None, compare=False)
+    # what the pending opinion would read from the turn's own prefill (assistant/engine/taps.py): the
+    # orchestrator hands it to the turn's first model call, which fills it or declines it
+    tap: Any = field(default=None, compare=False)
 
     def final(self) -> "Verdict":
         """This verdict, or the second opinion's when one is pending (waits for it)."""

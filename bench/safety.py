@@ -8,7 +8,10 @@ probe on the chat model, assistant/safety/probe.py) reads, its own time, which t
 overlaps, and the whole check's time with it.
 The TTFT part runs turns through build_assistant with a scripted engine that sleeps `--engine-ms`
 before its first token (a stand-in for the model's prefill; pass the prefill time you measured with
-bench/engine.py), guarded vs unguarded in the same run, and reports the added fraction.
+bench/engine.py), guarded vs unguarded in the same run, and reports the added fraction; there the
+second opinion runs its own request (a scripted engine lends no hidden states). Then the worst case on
+the packaged model: benign messages that all fall in the doubt band, as turns, guarded vs unguarded,
+where the second opinion reads the turn's own prefill (assistant/engine/taps.py).
 Last line: one JSON object.
 """
 
@@ -65,36 +68,44 @@ def input_latency(rows: list[dict], repeats: int) -> dict:
     return out
 
 
-def ttft_real(messages: list[str], tmp: Path) -> tuple[list[float], list[float]]:
-    """First-token times on the packaged small model, unguarded and guarded turns interleaved (two
-    assistants, each with its own engine, built once and warmed on the first message)."""
+VARIANTS = {"unguarded": {"safety.enabled": False},  # the three assistants ttft_real compares
+            "no_second_opinion": {"safety.enabled": True, "safety.second_opinion": False},
+            "guarded": {"safety.enabled": True}}
+
+
+def ttft_real(messages: list[str], tmp: Path) -> tuple[dict[str, list[float]], dict]:
+    """First-token times on the packaged small model, per VARIANTS entry, turns interleaved (one
+    assistant each, with its own engine, built once and warmed on the first message); and how the
+    guarded one's second opinions were read."""
     from assistant.app import build_assistant
     from assistant.config import AssistantConfig
     from assistant.store import Store
 
     models = AssistantConfig.load(env={}).resolved_models_dir
-    built = []
-    for guarded in (False, True):
-        config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp / str(guarded)), "models_dir": str(models),
-                                                         "safety.enabled": guarded, "engine.large_model": "",
-                                                         "engine.max_new_tokens": 8})
-        built.append(build_assistant(config, store=Store("sqlite://"), tools=[]))
-    times: tuple[list[float], list[float]] = ([], [])
+    built = {}
+    for name, overrides in VARIANTS.items():
+        config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp / name), "models_dir": str(models),
+                                                         "engine.large_model": "", "engine.max_new_tokens": 8,
+                                                         **overrides})
+        built[name] = build_assistant(config, store=Store("sqlite://"), tools=[])
+    times: dict[str, list[float]] = {name: [] for name in built}
+    probe = built["guarded"].safety.guard.detectors["probe"]
     try:
         for i, text in enumerate([messages[0], *messages]):
-            for which, assistant in enumerate(built):
+            for name, assistant in built.items():
                 t = time.perf_counter()
                 for event in assistant.turn(None, text):
                     if event.type in ("text_delta", "done"):
-                        if i:  # the first message only warms both up
-                            times[which].append((time.perf_counter() - t) * 1000)
+                        if i:  # the first message only warms them up
+                            times[name].append((time.perf_counter() - t) * 1000)
                         break
                 for _ in assistant.turn(None, "ok"):  # nothing left running between measurements
                     pass
+        reads = dict(probe.reads)  # tapped from the turn's prefill, or read by a request of its own
     finally:
-        for assistant in built:
+        for assistant in built.values():
             assistant.close()
-    return times
+    return times, reads
 
 
 def _guard():
@@ -153,7 +164,7 @@ def main() -> None:
     check = result["input_check"]
     print(f"input check over {check['num_checks']} messages, the wait before the turn starts: p50 {check['p50_ms']} ms, "
           f"p95 {check['p95_ms']} ms (goal <= 30 ms)")
-    print(f"  second opinion (read beside the turn's start) on {check['second_opinion_share']:.1%} of messages: "
+    print(f"  second opinion (here by a request of its own, as outside a turn) on {check['second_opinion_share']:.1%} of messages: "
           f"p50 {check['second_opinion_p50_ms']} ms, p95 {check['second_opinion_p95_ms']} ms; the whole check including "
           f"it: p50 {check['with_second_opinion_p50_ms']} ms, p95 {check['with_second_opinion_p95_ms']} ms")
     for name, what in (("english", "English-looking (fast head)"), ("other", "other languages and very short (+ e5)")):
@@ -180,15 +191,24 @@ def main() -> None:
                 if len(doubtful) == args.real_turns:
                     break
         with tempfile.TemporaryDirectory() as tmp:
-            plain, guarded = ttft_real(doubtful, Path(tmp))
-        ratios = [g / p for p, g in zip(plain, guarded)]
-        result["ttft_real_doubtful"] = {"turns": len(doubtful), "unguarded_p50_ms": round(float(np.median(plain)), 1),
-                                        "guarded_p50_ms": round(float(np.median(guarded)), 1),
-                                        "added_fraction": round(float(np.median(ratios)) - 1, 4)}
+            times, reads = ttft_real(doubtful, Path(tmp))
+
+        def added(over: str, base: str) -> float:  # median of the per-message ratios
+            return round(float(np.median([g / p for p, g in zip(times[base], times[over])])) - 1, 4)
+
+        result["ttft_real_doubtful"] = {"turns": len(doubtful), "second_opinion_reads": reads,
+                                        **{f"{name}_p50_ms": round(float(np.median(t)), 1) for name, t in times.items()},
+                                        "added_fraction": added("guarded", "unguarded"),
+                                        "second_opinion_added_fraction": added("guarded", "no_second_opinion"),
+                                        "without_second_opinion_added_fraction": added("no_second_opinion", "unguarded")}
         r = result["ttft_real_doubtful"]
-        print(f"TTFT with the packaged model, {r['turns']} benign messages that all get the second opinion: p50 "
-              f"unguarded {r['unguarded_p50_ms']} ms, guarded {r['guarded_p50_ms']} ms: median pair "
-              f"+{r['added_fraction']:.1%}")
+        print(f"TTFT with the packaged model, {r['turns']} benign messages that all get the second opinion (first "
+              f"visible text, so the output guard's hold-back counts): p50 unguarded {r['unguarded_p50_ms']} ms, "
+              f"guarded without the second opinion {r['no_second_opinion_p50_ms']} ms, guarded "
+              f"{r['guarded_p50_ms']} ms: +{r['added_fraction']:.1%} in all, of which the second opinion "
+              f"+{r['second_opinion_added_fraction']:.1%} (read from the turn's prefill: {reads['tapped']}, by "
+              f"a request of its own: {reads['own']}) and the rest of the guards "
+              f"+{r['without_second_opinion_added_fraction']:.1%}")
     print(json.dumps(result))
 
 

@@ -5,6 +5,7 @@ choice per conversation, refusals that say what to do. The real classifiers: tes
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -279,6 +280,66 @@ def test_check_early_leaves_the_second_opinion_pending_and_audits_it_once():
     assert early.final() == final and len(audit.rows) == 1
     sure = guard.check_early("a PIPE-BOMB", where="input")
     assert not sure.allowed and sure.pending is None
+
+
+class TappingProbe(SlowProbe):
+    """A probe that can read the turn's prefill: its `tap` features are [0.9] for "bad" texts."""
+
+    def __init__(self):
+        super().__init__()
+        self.tapped = 0
+
+    def tap(self, text):
+        from assistant.engine.taps import HiddenTap
+
+        return HiddenTap(text, (1,), source="the-probe-model")
+
+    def score_features(self, features):
+        self.tapped += 1
+        return [Score(c, float(features[0]) if c == "weapons" else 0.01, self.name) for c in self.categories]
+
+
+def _fill(tap, value):
+    """What the engine does: bind the tap to a prompt, add the rows, complete it."""
+    import torch
+
+    assert tap.bind([7, 8, 9], lambda text: [8])
+    tap.add(0, torch.tensor([value]))
+    tap.advance(tap.span[1])
+
+
+def test_the_second_opinion_reads_the_features_the_turns_prefill_tapped():
+    """check_early hands out a tap (Verdict.tap); once the turn's engine fills it, the verdict comes
+    from those features and the probe reads nothing itself."""
+    probe = TappingProbe()
+    guard = layer(MemoryAudit(), head=Doubtful(), probe=probe).input_guard
+    early = guard.check_early("maybe a bad thing", where="input")
+    assert early.pending is not None and early.tap is not None and early.tap.text == "maybe a bad thing"
+    _fill(early.tap, 0.9)
+    final = early.final()
+    assert not final.allowed and final.detector == "head+probe" and final.score == 0.7
+    assert (probe.tapped, probe.calls) == (1, 0)
+    fine = guard.check_early("maybe a fine thing", where="input")
+    _fill(fine.tap, 0.05)
+    assert fine.final().allowed and (probe.tapped, probe.calls) == (2, 0)
+
+
+def test_a_declined_or_unused_tap_has_the_probe_read_the_text_itself():
+    """The turn's model is another one (the tap is declined: the probe starts reading at once, beside
+    the turn), or no model was asked before the verdict was needed: the probe reads the text."""
+    probe = TappingProbe()
+    guard = layer(MemoryAudit(), head=Doubtful(), probe=probe).input_guard
+    early = guard.check_early("maybe a bad thing", where="input")
+    early.tap.decline("the turn's model is another one")
+    for _ in range(100):  # started on the second-opinion thread as soon as it was declined
+        if probe.calls:
+            break
+        time.sleep(0.01)
+    assert probe.calls == 1
+    assert not early.final().allowed and probe.tapped == 0
+    unused = guard.check_early("maybe a bad thing", where="input")
+    assert not unused.final().allowed and unused.tap.settled and "no engine" in unused.tap.reason
+    assert probe.calls == 2 and probe.tapped == 0
 
 
 class BrokenProbe:

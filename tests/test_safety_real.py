@@ -240,10 +240,11 @@ def _need_chat_model():
 def test_the_probe_file_matches_its_card_and_reads_intent():
     _need_classifiers()
     models = _need_chat_model()
-    from assistant.safety.probe import PROBE_LAYERS, load_probe_featurizer, load_probe_head
+    from assistant.safety.probe import PROBE_FEATURIZER, PROBE_LAYERS, load_probe_featurizer, load_probe_head
 
     head = load_probe_head()
-    assert head.featurizer == "qwen2.5-coder-0.5b-l12-bf16" and head.layers == PROBE_LAYERS == (6, 9, 12)
+    assert head.featurizer == PROBE_FEATURIZER == "qwen2.5-coder-0.5b-engine-int8-cpu"
+    assert head.layers == PROBE_LAYERS == (6, 9, 12)
     assert head.weights.shape == (len(head.classes), 896 * 3) and head.card["trained_on"]["file"] == "safety_train.jsonl"
     learned = {f["file"] for f in head.card["also_trained_on"]}
     assert "safety_heldout_v11.jsonl" in learned and not learned & {"safety_heldout_v12.jsonl", "safety_heldout_v13.jsonl"}
@@ -253,7 +254,8 @@ def test_the_probe_file_matches_its_card_and_reads_intent():
              "How do I kill a zombie process on Linux?"]
     harmful = 1 - head.probabilities(featurizer.embed(texts))[:, head.classes.index("benign")]
     assert harmful[0] > 0.5 > max(harmful[1:]), harmful
-    np.testing.assert_allclose(featurizer.embed(texts[:1]), featurizer.embed(texts[:1]))  # one text at a time: stable
+    together = featurizer.embed(texts)  # requests batched in the engine, as in training
+    np.testing.assert_allclose(featurizer.embed(texts[:1])[0], together[0], rtol=1e-4, atol=1e-4)  # alone: the same
 
 
 def test_the_second_opinion_decides_the_doubtful_messages_of_a_held_out_set(layer):

@@ -108,7 +108,7 @@ def _train_probe(args, config, rows: list[dict], trained_on: dict) -> None:
     from assistant.errors import ConfigError
     from assistant.safety.evaluate import load_rows
     from assistant.safety.head import HEAD_DIR, training_label
-    from assistant.safety.probe import PROBE_EXTRA_DATA, PROBE_HEAD_NAME, ProbeFeaturizer, train_probe
+    from assistant.safety.probe import PROBE_EXTRA_DATA, PROBE_HEAD_NAME, load_probe_featurizer, train_probe
 
     started = time.perf_counter()
     torch.set_num_threads(max(1, os.cpu_count() or 1))  # faster; the features move only in their last bits
@@ -122,7 +122,7 @@ def _train_probe(args, config, rows: list[dict], trained_on: dict) -> None:
     try:
         with tqdm(total=total, unit="message", desc="Reading messages with the chat model", file=sys.stderr,
                   disable=None) as bar:
-            head, card = train_probe(rows, ProbeFeaturizer(config.resolved_models_dir), seed=args.seed,
+            head, card = train_probe(rows, load_probe_featurizer(config.resolved_models_dir), seed=args.seed,
                                      progress=bar.update, **({} if args.c is None else {"c": args.c}))
     finally:
         _single_thread()

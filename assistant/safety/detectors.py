@@ -224,7 +224,8 @@ class TunedDetector(_Lazy):
 
 class ProbeDetector(_Lazy):
     """Our head on the packaged chat model's hidden states (assistant/safety/probe.py): one softmax over
-    benign + every input category. ~50-100 ms a message here, so policies use it as a second opinion."""
+    benign + every input category. Read from the turn's own prefill where it can be (`tap`), else a
+    one-token request of its own (~70-100 ms here), so policies use it as a second opinion."""
 
     name = "probe"
     categories = INPUT_CATEGORIES
@@ -232,19 +233,60 @@ class ProbeDetector(_Lazy):
     def __init__(self, path: Any = None, models_dir: Any = None) -> None:
         super().__init__()
         self.path, self.models_dir = path, models_dir
+        self._engine_featurizer: Any = None  # the assistant's own engine, when it runs the probe's model
+        self.reads = {"tapped": 0, "own": 0}  # texts scored from a turn's prefill / by a request of its own
 
-    def load(self) -> Any:
+    def use_engine(self, engine: Any, system_prompt: str | None = None) -> bool:
+        """Compute features on the assistant's engine when it runs the model as the probe reads it (no
+        second copy of the model); False when it does not. `None` goes back to an engine of its own."""
+        from assistant.engine.taps import tap_source
+        from assistant.safety.probe import PROBE_FEATURIZER, ProbeFeaturizer
+
+        if engine is None or tap_source(engine) != PROBE_FEATURIZER:
+            self._engine_featurizer = None
+            return False
+        self._engine_featurizer = ProbeFeaturizer(engine, system_prompt)
+        return True
+
+    def featurizer(self) -> Any:
         from assistant.errors import ModelError
-        from assistant.safety.probe import load_probe_featurizer, load_probe_head
+        from assistant.safety.probe import load_probe_featurizer
 
+        if self._engine_featurizer is not None:
+            return self._engine_featurizer
         if self.models_dir is None:
             raise ModelError("The safety probe needs the models directory (safety.layer passes the config's).")
-        return load_probe_head(self.path), load_probe_featurizer(Path(self.models_dir))
+        return load_probe_featurizer(Path(self.models_dir))
+
+    def load(self) -> Any:
+        from assistant.safety.probe import load_probe_head
+
+        head = load_probe_head(self.path)
+        self.featurizer()  # loaded with the head, so a warm-up loads both
+        return head
 
     def score(self, text: str) -> list[Score]:
-        head, featurizer = self.model()
-        probs = head.probabilities(featurizer.embed([text]))[0]
+        self.model()
+        self.reads["own"] += 1
+        return self._scores(self.featurizer().embed([text])[0])
+
+    def score_features(self, features: Any) -> list[Score]:
+        """The scores of features the turn's own prefill tapped (`tap`)."""
+        self.reads["tapped"] += 1
+        return self._scores(features)
+
+    def _scores(self, features: Any) -> list[Score]:
+        head = self.model()
+        probs = head.probabilities(np.asarray(features, dtype=np.float32).reshape(1, -1))[0]
         return [Score(c, float(p), self.name) for c, p in zip(head.classes, probs) if c != "benign"]
+
+    def tap(self, text: str) -> Any:
+        """A request for the features of `text` from the engine that answers the turn
+        (assistant/engine/taps.py); the guard hands it to the turn, and scores what comes back."""
+        from assistant.engine.taps import HiddenTap
+        from assistant.safety.probe import MAX_TOKENS, PROBE_FEATURIZER, PROBE_LAYERS
+
+        return HiddenTap(text, PROBE_LAYERS, MAX_TOKENS, source=PROBE_FEATURIZER)
 
 
 def real_detectors(head_path: Any = None, models_dir: Any = None) -> dict[str, Detector]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -39,6 +39,7 @@ from assistant.seams import ALLOWED, Verdict
 # second opinions run here, beside the turn they may stop (one at a time: each is a model forward pass)
 _SECOND_OPINIONS = ThreadPoolExecutor(1, thread_name_prefix="safety-second-opinion")
 log = logging.getLogger(__name__)
+TAP_TIMEOUT_S = 30.0  # the longest a verdict waits for a turn's prefill to reach the message (a busy engine)
 _warned: set[str] = set()
 
 
@@ -46,6 +47,40 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+class _SecondOpinion:
+    """One text's second opinion. With a tap (assistant/engine/taps.py), from the hidden states the
+    turn's own prefill lends; once the tap is declined (the turn's engine is another model, a remote
+    one, or no engine took the prompt), the detector reads the text itself on the second-opinion
+    thread, started at once so it still overlaps the turn. Without a tap, that thread from the start."""
+
+    def __init__(self, ask: Callable[..., Hit | None], tap: Any) -> None:
+        self.ask, self.tap = ask, tap
+        self.future: Future | None = None
+        self._ready = threading.Event()
+        if tap is None:
+            self.future = _SECOND_OPINIONS.submit(ask)
+            self._ready.set()
+        else:
+            tap.on_settle(self._settled)
+
+    def _settled(self, tap: Any) -> None:
+        if tap.features is None:  # declined: read it ourselves
+            self.future = _SECOND_OPINIONS.submit(self.ask)
+        self._ready.set()
+
+    def result(self) -> Hit | None:
+        tap = self.tap
+        if tap is not None:
+            if tap.span is None:  # no engine took it (the turn ended before its model was asked)
+                tap.decline("no engine read the turn's prompt")
+            elif tap.wait(TAP_TIMEOUT_S) is None:
+                tap.decline("the turn's prefill did not reach the message in time")
+            self._ready.wait()
+            if self.future is None:
+                return self.ask(tap.features)
+        return self.future.result()
 
 
 @dataclass(frozen=True)
@@ -130,17 +165,18 @@ class SafetyGuard:
         first, later = self._first_hit(text, where, self.policy)
         if later is None:
             return self._verdict(text, where, first)
-        future = _SECOND_OPINIONS.submit(later)
+        make_tap = getattr(self.detectors[self.policy.stage(where).second_opinion.detector], "tap", None)
+        opinion = _SecondOpinion(later, make_tap(text) if callable(make_tap) else None)
         done: list[Verdict] = []
         lock = threading.Lock()
 
         def resolve() -> Verdict:
             with lock:  # audited once, however often it is asked
                 if not done:
-                    done.append(self._verdict(text, where, future.result()))
+                    done.append(self._verdict(text, where, opinion.result()))
                 return done[0]
 
-        return Verdict(pending=resolve)
+        return Verdict(pending=resolve, tap=opinion.tap)
 
     def _verdict(self, text: str, where: str, hit: Hit | None) -> Verdict:
         if hit is None:
@@ -197,9 +233,9 @@ class SafetyGuard:
         if doubt is None:
             return best, None
 
-        def later() -> Hit | None:
+        def later(features: Any = None) -> Hit | None:
             try:
-                decided, hit = self._second_opinion(text, where, policy, doubt, best)
+                decided, hit = self._second_opinion(text, where, policy, doubt, best, features)
             except AssistantError as e:  # e.g. the chat model is not prepared: decide as before it existed
                 _warn_once(f"The safety second opinion ({second.detector}) is unavailable, so the {second.after} "
                            f"decides alone: {e}")
@@ -223,16 +259,18 @@ class SafetyGuard:
                     best = candidate
         return best
 
-    def _second_opinion(self, text: str, where: str, policy: Policy, doubt: Score,
-                        best: Hit | None) -> tuple[bool, Hit | None]:
+    def _second_opinion(self, text: str, where: str, policy: Policy, doubt: Score, best: Hit | None,
+                        features: Any = None) -> tuple[bool, Hit | None]:
         """(decided, hit): the mean of the doubtful detector's top score and the second opinion's, under
         the second opinion's threshold for the stronger category; the better of that and `best`. Not
-        decided when the second opinion scored none of the stage's categories."""
+        decided when the second opinion scored none of the stage's categories. `features`: what the
+        turn's prefill tapped for the second opinion's detector (else it reads the text itself)."""
         stage = policy.stage(where)
         second = stage.second_opinion
         detector = self.detectors[second.detector]
         wanted = self._wanted(policy, stage.categories, second.detector, detector)
-        scored = [s for s in self._scores(detector, text, where) if s.category in wanted]
+        scores = detector.score_features(features) if features is not None else self._scores(detector, text, where)
+        scored = [s for s in scores if s.category in wanted]
         if not scored:
             return False, None
         top = max(scored, key=lambda s: s.score)

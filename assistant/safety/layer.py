@@ -51,6 +51,13 @@ class SafetyLayer:
         return cls(detectors, audit, policy=s.policy, policies_dir=s.policies_dir or None,
                    protected=[config.system_prompt], second_opinion=s.second_opinion)
 
+    def lend_engine(self, engine: Any, system_prompt: str | None = None) -> bool:
+        """Let the second opinion read the assistant's own engine (assistant/safety/probe.py): its taps
+        on the turn's prefill, and its own one-token requests, with no second copy of the model. False
+        when the engine does not run the probe's model as the probe reads it; `None` takes it back."""
+        use = getattr(self.guard.detectors.get("probe"), "use_engine", None)
+        return bool(use(engine, system_prompt)) if callable(use) else False
+
     def screen(self, texts: Sequence[str], where: str = "retrieved") -> int:
         """Score passages ahead of use (a document's chunks at ingest): their scores go to the score
         cache, so no query pays for them; returns how many the default policy would quarantine."""
