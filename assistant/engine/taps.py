@@ -49,7 +49,7 @@ class HiddenTap:
         body = tokenize(self.text)[: self.max_tokens]
         n = len(body)
         for lo in range(len(prompt_ids) - n, -1, -1) if n else ():
-            if list(prompt_ids[lo:lo + n]) == body:
+            if prompt_ids[lo] == body[0] and list(prompt_ids[lo:lo + n]) == body:
                 self.span, self._next = (lo, lo + n), lo
                 return True
         self.decline("the message's tokens were not found in the prompt")
