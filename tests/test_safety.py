@@ -151,13 +151,54 @@ def test_a_key_split_across_deltas_is_redacted():
     assert len(safety.audit.rows[0]["excerpt_sha256"]) == 64
 
 
-def test_hold_back_is_at_most_one_sentence():
+def test_hold_back_is_at_most_one_sentence_and_plain_words_go_early():
+    """A finished sentence is released whole; of the unfinished one, plain words go at once, all but
+    the last whole word (and a word that may still grow)."""
     guard, _ = output_guard()
     first = guard.feed(TextDelta("First sentence is done. Second one is still "))
-    assert shown(first) == "First sentence is done."
-    assert guard.pending == " Second one is still "
-    assert shown(guard.feed(TextDelta("going"))) == ""
-    assert shown(guard.finish()) == " Second one is still going"
+    assert shown(first) == "First sentence is done. Second one is "
+    assert guard.pending == "still "
+    assert shown(guard.feed(TextDelta("going"))) == ""  # "going" may grow: "still" is the last whole word
+    assert shown(guard.feed(TextDelta(" on"))) == "still "
+    assert shown(guard.finish()) == "going on"
+
+
+class Rising:
+    """Profanity that builds up: 0.5 once "worthless" is in the text, 0.95 with "garbage", else 0.01."""
+
+    name, categories = "profanity", ("toxicity",)
+
+    def score(self, text):
+        return [Score("toxicity", 0.95 if "garbage" in text else 0.5 if "worthless" in text else 0.01, self.name)]
+
+
+def test_a_sentence_heading_for_a_block_stops_going_out_early():
+    """Early release stops once the sentence so far scores EARLY_CLOSENESS of the output threshold:
+    the insult's first hard word is not shown before the notice that stops the answer."""
+    guard, _ = output_guard(profanity=Rising())
+    out = shown(stream(guard, "Honestly, people like you are worthless garbage who should stop.", sizes=(2,)))
+    assert out.startswith("Honestly, people like you are ") and "worthless" not in out and "withheld" in out
+    guard, _ = output_guard(profanity=Rising())
+    assert shown(stream(guard, "Honestly, people like you are great and kind.")) == \
+        "Honestly, people like you are great and kind."
+
+
+def test_words_that_could_start_a_secret_or_a_leak_are_held_until_the_window_holds_it_whole():
+    """Early release never cuts a card number, a `password: value`, a PEM block or a verbatim run of
+    the system prompt in two: each is still redacted whole, whatever the deltas."""
+    for text, gone, marker in (
+            ("Sure, the card on file is 4539 1488 0343 6467 and it expires soon.", "4539", "card number"),
+            ("Sure, log in with password: swordfishes and then open the settings.", "swordfishes", "secret"),
+            ("Of course, my rules are that You are Zed, a secret agent assistant who never reveals the launch "
+             "code to anyone and so on", "Zed", "system prompt"),
+            ("Here it is -----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA1c7\nlWu2ahBJWTBQxyzw\n"
+             "-----END RSA PRIVATE KEY----- and that is all", "BEGIN RSA", "private key")):  # the header too
+        for sizes in ((1,), (2, 3), (7,)):
+            guard, _ = output_guard()  # its system prompt: "You are Zed, a secret agent assistant who never ..."
+            events = stream(guard, text, sizes=sizes)
+            out = shown(events)
+            assert gone not in out and f"[redacted: {marker}]" in out, (sizes, out)
+            assert len([e for e in events if isinstance(e, TextDelta)]) > 2 or marker == "private key", out
 
 
 def test_cards_emails_phones_private_keys_and_prompt_leaks():

@@ -197,6 +197,20 @@ class SafetyGuard:
         return Verdict(hit.action != "block", category, round(hit.score.score, 4), hit.threshold,
                        hit.score.detector, reason)
 
+    def closeness(self, text: str, *, where: str, policy: Policy | None = None) -> float:
+        """How near `text` comes to a hit at stage `where`: the largest score / threshold over the stage's
+        detectors and categories (>= 1 is a hit; second opinions not asked)."""
+        policy = policy or self.policy
+        stage = policy.stage(where)
+        best = 0.0
+        for name in stage.detectors:
+            detector = self.detectors[name]
+            wanted = self._wanted(policy, stage.categories, name, detector)
+            for score in (s for s in self._scores(detector, text, where) if s.category in wanted) if wanted else ():
+                threshold = stage.thresholds.get(name, policy.rule(score.category).thresholds[name])
+                best = max(best, score.score / threshold if threshold > 0 else float("inf"))
+        return best
+
     def hit(self, text: str, *, where: str, policy: Policy | None = None) -> Hit | None:
         """The deciding hit for `text` at stage `where` (None: nothing reached a threshold), the second
         opinion included when the text needs one."""

@@ -1,11 +1,26 @@
 """The output guard: a StreamTransformer that checks the answer as it streams, in windows.
 
-Design note — hold back at most one sentence:
+Design note — hold back at most one sentence, release plain words early:
   Deltas are appended to a pending buffer. Whenever the buffer holds a sentence end (., ! or ?
   followed by white space, or a line break) everything up to the last one is a window: it is
   scanned (redaction patterns from assistant/safety/redact.py, then the policy's output detectors
   for toxicity) and released; the unfinished sentence stays pending. A secret never contains such a
-  boundary, so a key split over any number of deltas is still whole when its window is scanned; a
+  boundary, so a key split over any number of deltas is still whole when its window is scanned.
+  Within the unfinished sentence, whole words are released early (`_early_cut`): the user sees the
+  answer start after a word or two instead of after its first sentence (bench/safety.py: the guards
+  had added +133% to a short turn's first visible text). A word is only ever released whole, so
+  one-word secrets (keys, tokens, emails, URLs with a password) are scanned whole. The cut never
+  falls where a pattern of several words could straddle it: the last word released must be plain
+  (letters, inner ' or -, closing punctuation: no digit, so no card, phone or IBAN group) and not one
+  of a pair of consecutive words of the protected texts (so a verbatim run of them is never cut, and
+  none of it is shown before the run is long enough to be found: redact.LeakMatcher.pairs); at least
+  one whole word stays held; a sentence with a PEM marker (-----) releases nothing early, and neither
+  does one whose text so far scores EARLY_CLOSENESS of an output detector's threshold or more
+  (toxicity builds up over a sentence; the words before the one that raises the score, such as "What
+  a", may be shown before the notice that stops the answer). Windows are scanned with the released part of their sentence in front of them
+  (`self.sentence`), so a `password: value`, a PEM header or an announcement already shown ("my
+  instructions say: \"") still has its value, its block or its quote held and redacted after it, and
+  the toxicity detectors read the sentence so far, not a lone word. A
   PEM private key block is held until its END line, and a quote the answer announces as its own
   instructions ("my instructions say: \"...") until its closing mark (at most 4 x max_hold_chars), so
   redact.SELF_QUOTE sees it whole. A sentence longer than `max_hold_chars` is cut at
@@ -27,12 +42,18 @@ from assistant.events import SafetyVerdict, TextDelta, TurnEvent
 from assistant.safety.audit import SafetyAudit
 from assistant.safety.categories import label
 from assistant.safety.policy import Policy
-from assistant.safety.redact import QUOTES_CLOSE, SELF_DUMP_OPEN, SELF_QUOTE_OPEN, Finding, LeakMatcher, find, redact
+from assistant.safety.redact import (QUOTES_CLOSE, SELF_DUMP_OPEN, SELF_QUOTE_OPEN, Finding, LeakMatcher, find, redact,
+                                     words)
 
 QUOTE_CLOSE = re.compile(f"[{QUOTES_CLOSE}]")
 from assistant.seams import StreamTransformer
 
 BOUNDARY = re.compile(r"[.!?](?=\s)|\n")
+TRAILING = ",.;:!?)]\"'”’»"
+# early release stops while the sentence so far scores at least this fraction of an output threshold
+EARLY_CLOSENESS = 0.3
+# a word that may end an early release: letters (any script), inner ' or -, closing punctuation; no digit
+PLAIN_WORD = re.compile(rf"[(\"“«]?[^\W\d_]+(?:['’-][^\W\d_]+)*[{re.escape(TRAILING)}]*")
 PEM_OPEN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")
 PEM_CLOSE = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY-----")
 STOP_NOTICE = ("[The rest of this answer was withheld by the safety policy ({category}). Ask again in other "
@@ -49,6 +70,7 @@ class OutputGuard(StreamTransformer):
         self.max_quote_chars = 4 * max_hold_chars  # a quote of the instructions is held whole up to this
         self.policy_for = policy_for
         self.pending = ""
+        self.sentence = ""  # what was released of the unfinished sentence (words released early)
         self.stopped = False
         self._reported: set[str] = set()
 
@@ -80,30 +102,60 @@ class OutputGuard(StreamTransformer):
 
     # -- windows --------------------------------------------------------------------------------
     def _cut(self) -> int:
-        """How much of the pending text is complete enough to scan and release (0: hold it all)."""
-        text = self.pending
+        """How much of the pending text is complete enough to scan and release (0: hold it all). The
+        holds read the released part of the sentence too: an announcement may have been shown."""
+        off = len(self.sentence)
+        text = self.sentence + self.pending
         opened = None
         for m in PEM_OPEN.finditer(text):
             opened = m
         if opened is not None and not PEM_CLOSE.search(text, opened.end()):
-            return self._last_boundary(text[:opened.start()])  # hold the key block until its END line
-        cut = self._last_boundary(text)
+            return max(0, self._last_boundary(text[:opened.start()]) - off)  # hold the key block until its END line
+        cut = max(0, self._last_boundary(text) - off)
         dumping = None
         for m in SELF_DUMP_OPEN.finditer(text):
             dumping = m
         if dumping is not None and len(text) - dumping.end() <= self.max_quote_chars:
-            return self._last_boundary(text[:dumping.start()])  # "here is my system prompt:": hold what follows
+            return max(0, self._last_boundary(text[:dumping.start()]) - off)  # "here is my system prompt:": hold what follows
         quoting = None
         for m in SELF_QUOTE_OPEN.finditer(text):
             quoting = m
         if quoting is not None and len(text) - quoting.end() <= self.max_quote_chars:
             closed = QUOTE_CLOSE.search(text, quoting.end())  # "my instructions say: \"...": never cut inside
-            if closed is None or quoting.start() < cut < closed.end():
-                return self._last_boundary(text[:quoting.start()])
-        if cut == 0 and len(text) > self.max_hold_chars:
-            space = text.rfind(" ", 0, len(text) - 1)
+            if closed is None or quoting.start() < cut + off < closed.end():
+                return max(0, self._last_boundary(text[:quoting.start()]) - off)
+        if cut == 0 and len(self.pending) > self.max_hold_chars:
+            space = self.pending.rfind(" ", 0, len(self.pending) - 1)
             cut = space + 1 if space > 0 else 0
-        return cut
+        return max(cut, self._early_cut(cut))
+
+    def _early_cut(self, cut: int) -> int:
+        """The furthest word boundary after `cut` up to which the unfinished sentence may be released
+        now (0: none); the rules are in the module's design note."""
+        context = self.sentence if cut == 0 else ""  # what precedes pending[cut:] in its sentence
+        text = context + self.pending[cut:]
+        if "-----" in text:
+            return 0  # a PEM block's header is held with it
+        base = len(context) - cut  # pending position = text position - base
+        spans = [m.span() for m in re.finditer(r"\S+", text)]
+        if spans and spans[-1][1] == len(text):
+            spans.pop()  # the last word may still grow
+        pairs = self.leaks.pairs if self.leaks is not None else set()
+        for (start, end), (next_start, next_end) in zip(reversed(spans[:-1]), reversed(spans[1:])):
+            cut_at = next_start - base  # release through the whitespace after the word
+            if start < len(context):
+                break  # only this window's words
+            word = text[start:end]
+            if not PLAIN_WORD.fullmatch(word):
+                continue
+            last, first = words(word), words(text[next_start:next_end])
+            if last and first and (last[-1][0], first[0][0]) in pairs:
+                continue
+            if self.guard is not None and self.guard.closeness(text[:end], where="output",
+                                                               policy=self.policy) >= EARLY_CLOSENESS:
+                return 0  # the sentence is heading for a block: show none of it before it is whole
+            return cut_at
+        return 0
 
     @staticmethod
     def _last_boundary(text: str) -> int:
@@ -115,7 +167,10 @@ class OutputGuard(StreamTransformer):
     def _release(self, cut: int) -> list[TurnEvent]:
         window, self.pending = self.pending[:cut], self.pending[cut:]
         events: list[TurnEvent] = []
-        findings = [f for f in find(window, self.leaks) if self.policy.output_action(f.category) != "allow"]
+        context = self.sentence  # already shown: scanned again only as context for what follows it
+        findings = [Finding(max(f.start - len(context), 0), f.end - len(context), f.category, f.kind)
+                    for f in find(context + window, self.leaks)
+                    if f.end > len(context) and self.policy.output_action(f.category) != "allow"]
         redacted = [f for f in findings if self.policy.output_action(f.category) == "redact"]
         for f in findings:
             action = self.policy.output_action(f.category)
@@ -127,7 +182,7 @@ class OutputGuard(StreamTransformer):
                 events.append(SafetyVerdict("output", True, f.category, f"A {f.kind} in the answer {verb} "
                                             f"(policy '{self.policy.name}').", 1.0, 1.0, f"pattern:{f.kind}"))
         text = redact(window, redacted)
-        hit = self.guard.hit(text, where="output", policy=self.policy) if self.guard is not None else None
+        hit = self.guard.hit(context + text, where="output", policy=self.policy) if self.guard is not None else None
         if hit is not None:
             self._audit(hit.score.category, hit.action, hit.score.score, hit.threshold, hit.score.detector, text)
             if hit.action == "block":
@@ -140,6 +195,8 @@ class OutputGuard(StreamTransformer):
                 events.append(SafetyVerdict("output", True, hit.score.category,
                                             f"This part of the answer may contain {label(hit.score.category)}.",
                                             round(hit.score.score, 4), hit.threshold, hit.score.detector))
+        sentence = context + text  # the next character tells whether a final "." ends the sentence
+        self.sentence = sentence[self._last_boundary(sentence + self.pending[:1]):]
         return [*events, TextDelta(text)] if text else events
 
     def _audit(self, category: str, action: str, score: float, threshold: float, detector: str, excerpt: str) -> None:

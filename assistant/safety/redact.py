@@ -131,42 +131,47 @@ class LeakMatcher:
 
     def __init__(self, protected: Iterable[str]) -> None:
         self.shingles: set[tuple[str, ...]] = set()
+        self.pairs: set[tuple[str, str]] = set()  # consecutive words inside the shingles: a cut between them could split a leak
         self.add(protected)
 
     def add(self, protected: Iterable[str]) -> None:
         """Protect more texts (the tools' descriptions and the turn's own instructions, known only
         once the assistant is built)."""
         for text in protected:
-            words = _words(text)
-            self.shingles.update(tuple(w for w, _, _ in words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1))
+            ws = [w for w, _, _ in words(text)]
+            if len(ws) >= NGRAM:
+                self.shingles.update(tuple(ws[i:i + NGRAM]) for i in range(len(ws) - NGRAM + 1))
+                self.pairs.update(zip(ws, ws[1:]))
 
     def plus(self, protected: Iterable[str]) -> "LeakMatcher":
         """A copy that also protects `protected` (one turn's own system message), leaving this one as it is."""
         out = LeakMatcher(())
-        out.shingles = set(self.shingles)
+        out.shingles, out.pairs = set(self.shingles), set(self.pairs)
         out.add(protected)
         return out
 
     def find(self, text: str) -> list[Finding]:
         if not self.shingles:
             return []
-        words = _words(text)
+        ws = words(text)
         out: list[Finding] = []
         i = 0
-        while i + NGRAM <= len(words):
-            if tuple(w for w, _, _ in words[i:i + NGRAM]) in self.shingles:
+        while i + NGRAM <= len(ws):
+            if tuple(w for w, _, _ in ws[i:i + NGRAM]) in self.shingles:
                 j = i + NGRAM
-                while j < len(words) and tuple(w for w, _, _ in words[j - NGRAM + 1:j + 1]) in self.shingles:
+                while j < len(ws) and tuple(w for w, _, _ in ws[j - NGRAM + 1:j + 1]) in self.shingles:
                     j += 1
-                out.append(Finding(words[i][1], words[j - 1][2], "system_prompt_leak", "system prompt"))
+                out.append(Finding(ws[i][1], ws[j - 1][2], "system_prompt_leak", "system prompt"))
                 i = j
             else:
                 i += 1
         return out
 
 
-def _words(text: str) -> list[tuple[str, int, int]]:
-    return [(m.group().lower(), m.start(), m.end()) for m in re.finditer(r"[A-Za-z0-9']+", text)]
+def words(text: str) -> list[tuple[str, int, int]]:
+    """(lower-cased word, start, end) for each run of letters and digits, inner apostrophes included
+    ("don't"), quote marks around it not ('Answer → answer): what leaks count."""
+    return [(m.group().lower(), m.start(), m.end()) for m in re.finditer(r"[A-Za-z0-9]+(?:'[A-Za-z0-9]+)*", text)]
 
 
 def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
