@@ -16,11 +16,11 @@ Design note — hold back at most one sentence, release plain words early:
   none of it is shown before the run is long enough to be found: redact.LeakMatcher.pairs); at least
   one whole word stays held; a sentence with a PEM marker (-----) releases nothing early, and neither
   does one whose text so far scores EARLY_CLOSENESS of an output detector's threshold or more
-  (toxicity builds up over a sentence; the words before the one that raises the score, such as "What
-  a", may be shown before the notice that stops the answer). Windows are scanned with the released part of their sentence in front of them
-  (`self.sentence`), so a `password: value`, a PEM header or an announcement already shown ("my
-  instructions say: \"") still has its value, its block or its quote held and redacted after it, and
-  the toxicity detectors read the sentence so far, not a lone word. A
+  (toxicity builds up over a sentence; the words before the one that raises the score, such as
+  "What a", may be shown before the notice that stops the answer). Windows are scanned with the
+  released part of their sentence in front of them (`self.sentence`), so a `password: value`, a PEM
+  header or an announcement already shown ("my instructions say: \"") still has its value, its block
+  or its quote held and redacted after it, and the toxicity detectors read the sentence so far. A
   PEM private key block is held until its END line, and a quote the answer announces as its own
   instructions ("my instructions say: \"...") until its closing mark (at most 4 x max_hold_chars), so
   redact.SELF_QUOTE sees it whole. A sentence longer than `max_hold_chars` is cut at
