@@ -12,9 +12,10 @@ Design note — hold back at most one sentence, release plain words early:
   one-word secrets (keys, tokens, emails, URLs with a password) are scanned whole. The cut never
   falls where a pattern of several words could straddle it: the last word released must be plain
   (letters, inner ' or -, closing punctuation: no digit, so no card, phone or IBAN group) and not one
-  of a pair of consecutive words of the protected texts (so a verbatim run of them is never cut, and
-  none of it is shown before the run is long enough to be found: redact.LeakMatcher.pairs); at least
-  one whole word stays held; a sentence with a PEM marker (-----) releases nothing early, and neither
+  of a pair of consecutive words of the protected texts, nor the first of such a pair whose second is
+  still being written (so a verbatim run of them is never cut, and none of it is shown before the run
+  is long enough to be found: redact.LeakMatcher.may_continue); the word being written stays held; a
+  sentence with a PEM marker (-----) releases nothing early, and neither
   does one whose text so far scores EARLY_CLOSENESS of an output detector's threshold or more
   (toxicity builds up over a sentence; the words before the one that raises the score, such as
   "What a", may be shown before the notice that stops the answer). Windows are scanned with the
@@ -138,18 +139,18 @@ class OutputGuard(StreamTransformer):
             return 0  # a PEM block's header is held with it
         base = len(context) - cut  # pending position = text position - base
         spans = [m.span() for m in re.finditer(r"\S+", text)]
-        if spans and spans[-1][1] == len(text):
-            spans.pop()  # the last word may still grow
-        pairs = self.leaks.pairs if self.leaks is not None else set()
-        for (start, end), (next_start, next_end) in zip(reversed(spans[:-1]), reversed(spans[1:])):
+        ends = [start for start, _ in spans[1:]] + [len(text)]  # where the whitespace after each word ends
+        for (start, end), next_start in zip(reversed(spans), reversed(ends)):
+            if end == len(text):
+                continue  # the last word may still grow
             cut_at = next_start - base  # release through the whitespace after the word
             if start < len(context):
                 break  # only this window's words
             word = text[start:end]
             if not PLAIN_WORD.fullmatch(word):
                 continue
-            last, first = words(word), words(text[next_start:next_end])
-            if last and first and (last[-1][0], first[0][0]) in pairs:
+            last, after = words(word), words(text[next_start:])
+            if last and self.leaks is not None and self.leaks.may_continue(last[-1][0], after[0][0] if after else ""):
                 continue
             if self.guard is not None and self.guard.closeness(text[:end], where="output",
                                                                policy=self.policy) >= EARLY_CLOSENESS:

@@ -132,6 +132,7 @@ class LeakMatcher:
     def __init__(self, protected: Iterable[str]) -> None:
         self.shingles: set[tuple[str, ...]] = set()
         self.pairs: set[tuple[str, str]] = set()  # consecutive words inside the shingles: a cut between them could split a leak
+        self.after: dict[str, set[str]] = {}  # the same pairs, by first word
         self.add(protected)
 
     def add(self, protected: Iterable[str]) -> None:
@@ -141,14 +142,22 @@ class LeakMatcher:
             ws = [w for w, _, _ in words(text)]
             if len(ws) >= NGRAM:
                 self.shingles.update(tuple(ws[i:i + NGRAM]) for i in range(len(ws) - NGRAM + 1))
-                self.pairs.update(zip(ws, ws[1:]))
+                for pair in zip(ws, ws[1:]):
+                    self.pairs.add(pair)
+                    self.after.setdefault(pair[0], set()).add(pair[1])
 
     def plus(self, protected: Iterable[str]) -> "LeakMatcher":
         """A copy that also protects `protected` (one turn's own system message), leaving this one as it is."""
         out = LeakMatcher(())
         out.shingles, out.pairs = set(self.shingles), set(self.pairs)
+        out.after = {word: set(nexts) for word, nexts in self.after.items()}
         out.add(protected)
         return out
+
+    def may_continue(self, word: str, next_start: str) -> bool:
+        """Whether `word` followed by a word beginning with `next_start` (lower-case; "" when nothing of
+        it is written yet) could be a pair of consecutive protected words."""
+        return any(w.startswith(next_start) for w in self.after.get(word, ()))
 
     def find(self, text: str) -> list[Finding]:
         if not self.shingles:
