@@ -131,8 +131,8 @@ class LeakMatcher:
 
     def __init__(self, protected: Iterable[str]) -> None:
         self.shingles: set[tuple[str, ...]] = set()
-        self.pairs: set[tuple[str, str]] = set()  # consecutive words inside the shingles: a cut between them could split a leak
-        self.after: dict[str, set[str]] = {}  # the same pairs, by first word
+        # the word after each word inside the shingles: output.py never cuts between such a pair
+        self.after: dict[str, set[str]] = {}
         self.add(protected)
 
     def add(self, protected: Iterable[str]) -> None:
@@ -142,14 +142,13 @@ class LeakMatcher:
             ws = [w for w, _, _ in words(text)]
             if len(ws) >= NGRAM:
                 self.shingles.update(tuple(ws[i:i + NGRAM]) for i in range(len(ws) - NGRAM + 1))
-                for pair in zip(ws, ws[1:]):
-                    self.pairs.add(pair)
-                    self.after.setdefault(pair[0], set()).add(pair[1])
+                for first, second in zip(ws, ws[1:]):
+                    self.after.setdefault(first, set()).add(second)
 
     def plus(self, protected: Iterable[str]) -> "LeakMatcher":
         """A copy that also protects `protected` (one turn's own system message), leaving this one as it is."""
         out = LeakMatcher(())
-        out.shingles, out.pairs = set(self.shingles), set(self.pairs)
+        out.shingles = set(self.shingles)
         out.after = {word: set(nexts) for word, nexts in self.after.items()}
         out.add(protected)
         return out
