@@ -121,6 +121,24 @@ def redis_url() -> Iterator[str]:
         yield url
 
 
+def tiny_qwen(models_dir: Path, path: Path, *, num_layers: int = 2) -> Path:
+    """A randomly initialised tiny Qwen2 (hidden 64) with the packaged model's real tokenizer and chat
+    template, saved as a local HF directory in `path`: the engine loads it as it loads a user's own
+    checkpoint."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    source = models_dir / "qwen2.5-coder-0.5b"
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=151645, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    shutil.copy(source / "generation_config.json", path / "generation_config.json")
+    return path
+
+
 def media_model(name: str) -> Path:
     """The prepared directory of a packaged speech/vision model ("tiny.en", "base", "joe", "lite0"),
     prepared on first use into the shared models dir; skip on a laptop without its package, fail in CI."""

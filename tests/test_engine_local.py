@@ -8,7 +8,6 @@ batched greedy == sequential greedy, streaming == non-streaming, prefix-cache hi
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from dataclasses import replace
@@ -18,24 +17,14 @@ import pytest
 from assistant.config import AssistantConfig
 from assistant.engine.base import SamplingParams
 from assistant.engine.scheduler import RequestStatus
+from tests.conftest import tiny_qwen
 
 pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory, models_dir) -> AssistantConfig:
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    source = models_dir / "qwen2.5-coder-0.5b"
-    tiny = tmp_path_factory.mktemp("tiny-qwen")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=151645, tie_word_embeddings=True)
-    Qwen2ForCausalLM(config).save_pretrained(tiny)
-    AutoTokenizer.from_pretrained(source).save_pretrained(tiny)
-    shutil.copy(source / "generation_config.json", tiny / "generation_config.json")
+    tiny = tiny_qwen(models_dir, tmp_path_factory.mktemp("tiny-qwen"))
     return AssistantConfig.load(env={}, overrides={"engine.model": str(tiny), "engine.num_threads": 1,
                                                    "engine.kv_cache_mb": 8, "engine.block_size": 4})
 

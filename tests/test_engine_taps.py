@@ -6,7 +6,6 @@ On a randomly initialised tiny Qwen2 (4 layers) with the real tokenizer, as test
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from assistant.config import AssistantConfig
 from assistant.engine.base import SamplingParams
 from assistant.engine.taps import HiddenTap, generate_kwargs, tap_source
+from tests.conftest import tiny_qwen
 
 pytestmark = pytest.mark.real
 
@@ -24,20 +24,9 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, models_dir):
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
     from assistant.engine.loading import load_model
 
-    source = models_dir / "qwen2.5-coder-0.5b"
-    path = tmp_path_factory.mktemp("tiny-qwen-taps")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=151645, tie_word_embeddings=True)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(source).save_pretrained(path)
-    shutil.copy(source / "generation_config.json", path / "generation_config.json")
+    path = tiny_qwen(models_dir, tmp_path_factory.mktemp("tiny-qwen-taps"), num_layers=4)
     config = AssistantConfig.load(env={}, overrides={"engine.model": str(path), "engine.num_threads": 1,
                                                      "engine.kv_cache_mb": 8, "engine.block_size": 4,
                                                      "engine.speculation": "off"})
