@@ -206,9 +206,12 @@ class SafetyGuard:
         for name in stage.detectors:
             detector = self.detectors[name]
             wanted = self._wanted(policy, stage.categories, name, detector)
-            for score in (s for s in self._scores(detector, text, where) if s.category in wanted) if wanted else ():
-                threshold = stage.thresholds.get(name, policy.rule(score.category).thresholds[name])
-                best = max(best, score.score / threshold if threshold > 0 else float("inf"))
+            if not wanted:
+                continue
+            for score in self._scores(detector, text, where):
+                if score.category in wanted:
+                    threshold = self._threshold(policy, stage, name, score.category)
+                    best = max(best, score.score / threshold if threshold > 0 else float("inf"))
         return best
 
     def hit(self, text: str, *, where: str, policy: Policy | None = None) -> Hit | None:
@@ -261,12 +264,17 @@ class SafetyGuard:
         return best, later
 
     @staticmethod
+    def _threshold(policy: Policy, stage: Any, name: str, category: str) -> float:
+        """Detector `name`'s threshold for `category` at this stage (the stage's own, else the category's)."""
+        return stage.thresholds.get(name, policy.rule(category).thresholds[name])
+
+    @staticmethod
     def _best(policy: Policy, stage: Any, name: str, scored: list[Score]) -> Hit | None:
         """The strongest hit among one detector's scores."""
         best: Hit | None = None
         for score in scored:
             rule = policy.rule(score.category)
-            threshold = stage.thresholds.get(name, rule.thresholds[name])
+            threshold = SafetyGuard._threshold(policy, stage, name, score.category)
             if score.score >= threshold:
                 candidate = Hit(score, threshold, rule.action)
                 if best is None or candidate.key > best.key:
@@ -290,7 +298,7 @@ class SafetyGuard:
         top = max(scored, key=lambda s: s.score)
         category = doubt.category if doubt.category in wanted and doubt.score >= top.score else top.category
         rule = policy.rule(category)
-        threshold = stage.thresholds.get(second.detector, rule.thresholds[second.detector])
+        threshold = self._threshold(policy, stage, second.detector, category)
         combined = (doubt.score + top.score) / 2
         if combined < threshold:
             return True, best
