@@ -162,6 +162,39 @@ def test_hold_back_is_at_most_one_sentence_and_plain_words_go_early():
     assert shown(guard.finish()) == "on"
 
 
+def test_the_answers_first_token_goes_out_at_once_when_it_is_a_common_opening_word():
+    """"To" is shown before the next token says whether it is "To" or "Today"; a first token that is not
+    one of OPENERS, or an opener later in the answer, waits for its word to end as before; what an
+    opener turns out to begin is still redacted from there on."""
+    guard, _ = output_guard()
+    assert shown(guard.feed(TextDelta("To"))) == "To"
+    assert shown(guard.feed(TextDelta("day"))) == ""
+    assert shown(guard.feed(TextDelta(" it"))) == ""  # "Today" began in what was shown: it goes with the next word
+    assert shown(guard.feed(TextDelta(" is"))) == "day it "
+    guard, _ = output_guard()
+    assert shown(guard.feed(TextDelta("Tomas"))) == ""  # not a common word: held until its word ends
+    guard, _ = output_guard()
+    assert shown(guard.feed(TextDelta("Fine. "))) == "Fine."
+    assert shown(guard.feed(TextDelta("To"))) == ""  # only the answer's first token
+    guard, _ = output_guard()
+    assert shown(guard.feed(TextDelta("No"))) + shown(guard.feed(TextDelta(" way "))) == "No way "
+    assert guard.pending == "" and shown(guard.feed(TextDelta("To"))) == ""  # an opener, but not the first token
+    guard, _ = output_guard()
+    events = [*guard.feed(TextDelta("To")), *guard.feed(TextDelta("m.smith@corp.io wrote it.")), *guard.finish()]
+    assert shown(events) == "To[redacted: email] wrote it."
+    guard, _ = output_guard()
+    key = "The9aK2mQ7vX4pL8rT1wZ6yB3nC5dF0gH"  # a random 32+ character token that happens to start with "The"
+    out = shown([*guard.feed(TextDelta("The")), *guard.feed(TextDelta(key[3:] + " is yours.")), *guard.finish()])
+    assert out.startswith("The[redacted: ") and key[3:9] not in out
+
+    class Near(Rising):  # "You" alone already scores half the output threshold
+        def score(self, text):
+            return [Score("toxicity", 0.5 if text.startswith("You") else 0.01, self.name)]
+
+    guard, _ = output_guard(profanity=Near())
+    assert shown(guard.feed(TextDelta("You"))) == ""  # an opener goes early only while nothing nears a block
+
+
 class Rising:
     """Profanity that builds up: 0.5 once "worthless" is in the text, 0.95 with "garbage", else 0.01."""
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +59,7 @@ import numpy as np
 from assistant.errors import ModelError
 from assistant.safety.categories import BENIGN
 
+_log = logging.getLogger(__name__)
 HEAD_DIR = Path(__file__).with_name("models")
 HEAD_NAME = "safety_head"  # the full head (with e5 when its featurizer has it)
 FAST_HEAD_NAME = "safety_head_fast"  # MiniLM only: English user messages (see the module notes)
@@ -103,6 +105,45 @@ class Featurizer:
         # (non-English messages here: p50 36 -> 24 ms, p95 51 -> 35 ms)
         self._e5_thread = ThreadPoolExecutor(1, thread_name_prefix="safety-e5") if self.e5 is not None else None
         self._lock = threading.Lock()
+        self._one: Any = None  # the traced forward for one text (see `_single`); False: tracing failed
+
+    def _single(self) -> Any:
+        """MiniLM's forward for a single text as a TorchScript trace (caller holds `_lock`, inference mode).
+
+        Why: a user message is checked alone, on a thread beside the turn's prefill, and the eager
+        forward is ~200 small ops, each dispatched from Python under the GIL, which the engine's and the
+        stream's threads need too. The trace runs them in C++: 3.0 instead of 5.9 ms per message here,
+        its hidden states equal to the eager ones (max |diff| 0 on 400 messages of the training set).
+        Only for one text: a single text has no padding, so the attention mask is all ones, as in the
+        trace; batches (training, ingest) keep the eager forward. Tracing needs nothing but the
+        weights already loaded; should it fail (another transformers), the eager forward serves."""
+        if self._one is None:
+            torch = self._torch
+
+            class HiddenStates(torch.nn.Module):
+                def __init__(self, model: Any) -> None:
+                    super().__init__()
+                    self.model = model
+
+                def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> tuple:
+                    return tuple(self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                            token_type_ids=token_type_ids, output_hidden_states=True).hidden_states)
+
+            example = self.tokenizer(["how do I stop a process that hangs"], return_tensors="pt")
+            try:
+                import warnings
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the tracer's notes on shape-dependent Python in transformers
+                    self._one = torch.jit.trace(HiddenStates(self.model), (
+                        example["input_ids"], example["attention_mask"], example["token_type_ids"]),
+                        strict=False, check_trace=False)
+                    for _ in range(3):  # the JIT profiles its first runs (~25 ms each), then runs optimised
+                        self._one(example["input_ids"], example["attention_mask"], example["token_type_ids"])
+            except Exception as e:  # noqa: BLE001 - the eager forward is the same model
+                _log.warning("The safety head's embedder could not be traced (%s); it runs eagerly.", e)
+                self._one = False
+        return self._one
 
     def embed(self, texts: Sequence[str], layers: Sequence[int] = (NUM_LAYERS,), *, e5: bool = True) -> np.ndarray:
         """Mean-pooled hidden states of `layers` (0 = embeddings, 6 = last), each L2-normalised, side by side
@@ -116,7 +157,11 @@ class Featurizer:
         torch = self._torch
         enc = self.tokenizer(list(texts), return_tensors="pt", truncation=True, max_length=MAX_TOKENS, padding=True)
         with self._lock, torch.inference_mode():
-            states = self.model(**enc, output_hidden_states=True).hidden_states  # 7 x (N, T, 384)
+            one = self._single() if len(texts) == 1 and "token_type_ids" in enc else False
+            if one:
+                states = one(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
+            else:
+                states = self.model(**enc, output_hidden_states=True).hidden_states  # 7 x (N, T, 384)
         mask = enc["attention_mask"].unsqueeze(-1).to(states[0].dtype)  # (N, T, 1)
         parts = []
         for k in layers:

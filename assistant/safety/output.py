@@ -30,6 +30,15 @@ Design note — hold back at most one sentence, release plain words early:
   allowed=True) per kind; toxic text with action `block` is replaced by a notice and everything after
   it is dropped. Because the emitter stores what the last transformer emits, the stored message holds
   the redacted text. Every redaction and stop is audited (hash of the excerpt only).
+  The answer's very first token is the one exception to "whole words only" (`_opener`): when it is,
+  exactly, one of OPENERS (common words an answer starts with: "To", "The", "Yes", "In", ...) and
+  nothing has been shown yet, it goes out at once, before the next token says whether its word goes
+  on ("To" -> "Today"). What it shows is a public, common word, so even if that word turns out to
+  begin something redacted ("Tom.smith@corp.example" -> "To[redacted: email]", a random 32+ character
+  token, a verbatim run of the system prompt, which is redacted from there on, since windows are
+  scanned with the released part of their sentence in front) it discloses nothing private. Holding
+  it for the next token cost a whole decode step (~25 ms, +28% of a short turn's first visible text
+  on the packaged model, bench/safety.py); every later word keeps the rules above.
   One instance serves one turn: `for_turn(conversation_id)` makes a fresh one bound to that
   conversation's policy.
 """
@@ -55,6 +64,14 @@ TRAILING = ",.;:!?)]\"'”’»"
 EARLY_CLOSENESS = 0.3
 # a word that may end an early release: letters (any script), inner ' or -, closing punctuation; no digit
 PLAIN_WORD = re.compile(rf"[(\"“«]?[^\W\d_]+(?:['’-][^\W\d_]+)*[{re.escape(TRAILING)}]*")
+# words an answer's first token may be shown as at once (see `_opener`): common, so showing one discloses nothing
+OPENERS = frozenset("""a about absolutely according actually after again all also although an and another any
+are as at based because before being below both but by can certainly could dear did do does each even every
+first for from generally glad good great had has have he hello here hey hi how however i if in indeed instead
+is it its just let many may maybe most much my no not now of oh ok okay on one only or our please since so some
+sometimes sorry sure thank thanks that the their then there these they this those though thus to today under
+unfortunately unlike unless usually very we well what when where whether which while who why with would yes yeah
+you your""".split())
 PEM_OPEN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")
 PEM_CLOSE = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY-----")
 STOP_NOTICE = ("[The rest of this answer was withheld by the safety policy ({category}). Ask again in other "
@@ -73,6 +90,7 @@ class OutputGuard(StreamTransformer):
         self.pending = ""
         self.sentence = ""  # what was released of the unfinished sentence (words released early)
         self.stopped = False
+        self.shown = False  # whether anything of the answer went out yet (`_opener` reads it)
         self._reported: set[str] = set()
 
     def for_turn(self, conversation_id: str | None, *, protect: Sequence[str] = ()) -> "OutputGuard":
@@ -128,7 +146,16 @@ class OutputGuard(StreamTransformer):
         if cut == 0 and len(self.pending) > self.max_hold_chars:
             space = self.pending.rfind(" ", 0, len(self.pending) - 1)
             cut = space + 1 if space > 0 else 0
-        return max(cut, self._early_cut(cut))
+        return max(cut, self._early_cut(cut), self._opener())
+
+    def _opener(self) -> int:
+        """All of the pending text when it is the answer's first token and one of OPENERS (module notes)."""
+        if self.shown or self.pending.lower() not in OPENERS:
+            return 0
+        if self.guard is not None and self.guard.closeness(self.pending, where="output",
+                                                           policy=self.policy) >= EARLY_CLOSENESS:
+            return 0
+        return len(self.pending)
 
     def _early_cut(self, cut: int) -> int:
         """The furthest word boundary after `cut` up to which the unfinished sentence may be released
@@ -198,6 +225,7 @@ class OutputGuard(StreamTransformer):
                                             round(hit.score.score, 4), hit.threshold, hit.score.detector))
         sentence = context + text  # the next character tells whether a final "." ends the sentence
         self.sentence = sentence[self._last_boundary(sentence + self.pending[:1]):]
+        self.shown = self.shown or bool(text)
         return [*events, TextDelta(text)] if text else events
 
     def _audit(self, category: str, action: str, score: float, threshold: float, detector: str, excerpt: str) -> None:
