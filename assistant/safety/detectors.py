@@ -175,6 +175,8 @@ class HeadDetector(_Lazy):
         if (Path(self.path or HEAD_DIR) / f"{FAST_HEAD_NAME}.json").is_file():
             fast = SafetyHead.load(self.path, FAST_HEAD_NAME)
         featurizer = self._featurizer or load_featurizer(head.featurizer)
+        if fast is not None and fast.layers:  # trace MiniLM's one-message forward now (~0.7 s), not on a user's turn
+            featurizer.embed(["How do I stop a process that hangs?"], fast.layers, e5=False)
         return head, fast, featurizer
 
     def cache_key(self, where: str) -> str:
