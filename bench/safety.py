@@ -9,9 +9,10 @@ overlaps, and the whole check's time with it.
 The TTFT part runs turns through build_assistant with a scripted engine that sleeps `--engine-ms`
 before its first token (a stand-in for the model's prefill; pass the prefill time you measured with
 bench/engine.py), guarded vs unguarded in the same run, and reports the added fraction; there the
-second opinion runs its own request (a scripted engine lends no hidden states). Then the worst case on
-the packaged model: benign messages that all fall in the doubt band, as turns, guarded vs unguarded,
-where the second opinion reads the turn's own prefill (assistant/engine/taps.py).
+second opinion runs its own request (a scripted engine lends no hidden states). Then, on the packaged
+model, turns guarded vs unguarded (and guarded without the second opinion): the worst case, benign
+messages that all fall in the doubt band, where the second opinion reads the turn's own prefill
+(assistant/engine/taps.py); and typical ones, benign messages the heads are sure of.
 Last line: one JSON object.
 """
 
@@ -73,10 +74,10 @@ VARIANTS = {"unguarded": {"safety.enabled": False},  # the three assistants ttft
             "guarded": {"safety.enabled": True}}
 
 
-def ttft_real(messages: list[str], tmp: Path) -> tuple[dict[str, list[float]], dict]:
-    """First-token times on the packaged small model, per VARIANTS entry, turns interleaved (one
-    assistant each, with its own engine, built once and warmed on the first message); and how the
-    guarded one's second opinions were read."""
+def ttft_real(sets: dict[str, list[str]], tmp: Path) -> dict[str, tuple[dict[str, list[float]], dict]]:
+    """Per set of messages: first-token times on the packaged small model, per VARIANTS entry, turns
+    interleaved (one assistant each, with its own engine, built once and warmed on each set's first
+    message); and how the guarded one's second opinions were read in that set."""
     from assistant.app import build_assistant
     from assistant.config import AssistantConfig
     from assistant.store import Store
@@ -88,24 +89,28 @@ def ttft_real(messages: list[str], tmp: Path) -> tuple[dict[str, list[float]], d
                                                          "engine.large_model": "", "engine.max_new_tokens": 8,
                                                          **overrides})
         built[name] = build_assistant(config, store=Store("sqlite://"), tools=[])
-    times: dict[str, list[float]] = {name: [] for name in built}
     probe = built["guarded"].safety.guard.detectors["probe"]
+    out = {}
     try:
-        for i, text in enumerate([messages[0], *messages]):
-            for name, assistant in built.items():
-                t = time.perf_counter()
-                for event in assistant.turn(None, text):
-                    if event.type in ("text_delta", "done"):
-                        if i:  # the first message only warms them up
-                            times[name].append((time.perf_counter() - t) * 1000)
-                        break
-                for _ in assistant.turn(None, "ok"):  # nothing left running between measurements
-                    pass
-        reads = dict(probe.reads)  # tapped from the turn's prefill, or read by a request of its own
+        for key, messages in sets.items():
+            times: dict[str, list[float]] = {name: [] for name in built}
+            before = dict(probe.reads)
+            for i, text in enumerate([messages[0], *messages]):
+                for name, assistant in built.items():
+                    t = time.perf_counter()
+                    for event in assistant.turn(None, text):
+                        if event.type in ("text_delta", "done"):
+                            if i:  # the first message only warms them up
+                                times[name].append((time.perf_counter() - t) * 1000)
+                            break
+                    for _ in assistant.turn(None, "ok"):  # nothing left running between measurements
+                        pass
+            # tapped from the turn's prefill, or read by a request of its own
+            out[key] = times, {k: v - before.get(k, 0) for k, v in probe.reads.items()}
     finally:
         for assistant in built.values():
             assistant.close()
-    return times, reads
+    return out
 
 
 def _guard():
@@ -152,8 +157,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engine-ms", type=float, default=400.0, help="stand-in prefill time of the model")
     parser.add_argument("--turns", type=int, default=30)
-    parser.add_argument("--real-turns", type=int, default=12, help="turns on the packaged model whose message gets "
-                        "the second opinion (0: skip)")
+    parser.add_argument("--real-turns", type=int, default=30, help="turns on the packaged model, of messages that get "
+                        "the second opinion and of messages that do not, each (0: skip)")
     args = parser.parse_args()
     rows = [json.loads(line) for name in ("safety_train.jsonl", "safety_heldout.jsonl", "safety_heldout_v2.jsonl",
                                           "safety_heldout_v3.jsonl", "safety_heldout_v4.jsonl", "safety_heldout_v5.jsonl",
@@ -181,34 +186,40 @@ def main() -> None:
                       "guarded_p50_ms": round(p50_guarded, 1), "added_fraction": round(p50_guarded / p50_plain - 1, 4)}
     print(f"TTFT p50 unguarded {p50_plain:.1f} ms, guarded {p50_guarded:.1f} ms: "
           f"+{result['ttft']['added_fraction']:.1%} (goal <= 5%)")
-    if args.real_turns:  # the worst case: every message in the doubt band, the real model prefilling beside it
-        layer_guard, doubtful = _guard(), []
+    if args.real_turns:  # the worst case (every message in the doubt band) and the typical one
+        layer_guard, doubtful, sure = _guard(), [], []
         for text in (r["text"] for r in rows if r["label"] == "allow"):
             verdict = layer_guard.check_early(text, where="input")
             if verdict.pending is not None:
                 verdict.final()  # no second opinion left queued behind the measured turns
-                doubtful.append(text)
-                if len(doubtful) == args.real_turns:
-                    break
+                if len(doubtful) < args.real_turns:
+                    doubtful.append(text)
+            elif verdict.allowed and len(sure) < args.real_turns:
+                sure.append(text)
+            if len(doubtful) == len(sure) == args.real_turns:
+                break
         with tempfile.TemporaryDirectory() as tmp:
-            times, reads = ttft_real(doubtful, Path(tmp))
+            measured = ttft_real({"doubtful": doubtful, "typical": sure}, Path(tmp))
+        for key, what in (("doubtful", "benign messages that all get the second opinion"),
+                          ("typical", "benign messages the heads are sure of (~80% of messages, no second opinion)")):
+            times, reads = measured[key]
 
-        def added(over: str, base: str) -> float:  # median of the per-message ratios
-            return round(float(np.median([g / p for p, g in zip(times[base], times[over])])) - 1, 4)
+            def added(over: str, base: str) -> float:  # median of the per-message ratios
+                return round(float(np.median([g / p for p, g in zip(times[base], times[over])])) - 1, 4)
 
-        result["ttft_real_doubtful"] = {"turns": len(doubtful), "second_opinion_reads": reads,
-                                        **{f"{name}_p50_ms": round(float(np.median(t)), 1) for name, t in times.items()},
-                                        "added_fraction": added("guarded", "unguarded"),
-                                        "second_opinion_added_fraction": added("guarded", "no_second_opinion"),
-                                        "without_second_opinion_added_fraction": added("no_second_opinion", "unguarded")}
-        r = result["ttft_real_doubtful"]
-        print(f"TTFT with the packaged model, {r['turns']} benign messages that all get the second opinion (first "
-              f"visible text, so the output guard's hold-back counts): p50 unguarded {r['unguarded_p50_ms']} ms, "
-              f"guarded without the second opinion {r['no_second_opinion_p50_ms']} ms, guarded "
-              f"{r['guarded_p50_ms']} ms: +{r['added_fraction']:.1%} in all, of which the second opinion "
-              f"+{r['second_opinion_added_fraction']:.1%} (read from the turn's prefill: {reads['tapped']}, by "
-              f"a request of its own: {reads['own']}) and the rest of the guards "
-              f"+{r['without_second_opinion_added_fraction']:.1%}")
+            r = result[f"ttft_real_{key}"] = {
+                "turns": len(times["guarded"]), "second_opinion_reads": reads,
+                **{f"{name}_p50_ms": round(float(np.median(t)), 1) for name, t in times.items()},
+                "added_fraction": added("guarded", "unguarded"),
+                "second_opinion_added_fraction": added("guarded", "no_second_opinion"),
+                "without_second_opinion_added_fraction": added("no_second_opinion", "unguarded")}
+            print(f"TTFT with the packaged model, {r['turns']} {what} (first visible text, so the output guard's "
+                  f"hold-back counts): p50 unguarded {r['unguarded_p50_ms']} ms, guarded without the second opinion "
+                  f"{r['no_second_opinion_p50_ms']} ms, guarded {r['guarded_p50_ms']} ms: +{r['added_fraction']:.1%} "
+                  f"in all (median of per-message ratios), of which the second opinion "
+                  f"+{r['second_opinion_added_fraction']:.1%} (read from the turn's prefill: {reads.get('tapped', 0)}, "
+                  f"by a request of its own: {reads.get('own', 0)}) and the rest of the guards "
+                  f"+{r['without_second_opinion_added_fraction']:.1%}")
     print(json.dumps(result))
 
 
