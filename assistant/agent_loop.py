@@ -126,6 +126,8 @@ class TurnState:
         self.documents = False  # the conversation had documents to cite this turn
         self.prefer = ""  # the model the user chose for this turn ("small" / "large"; "" = routed per call)
         self.tap: Any = None  # the input's second opinion reads the first model call's prefill (engine/taps.py)
+        # starts the input check beside the first model call, once this thread only waits for tokens
+        self.begin: Callable[[], Any] | None = None
 
     @property
     def text(self) -> str:
@@ -251,6 +253,9 @@ class AgentLoop:
             for line in notices:
                 yield Notice(line)
             turn.start_call(plan, engine, route)
+            begin, turn.begin = turn.begin, None
+            if begin is not None:
+                begin()
             splitter = ToolCallSplitter([t.name for t in offered])
             last_flush, call_start = time.monotonic(), len(emitter.said)
             for delta in stream:

@@ -177,6 +177,9 @@ class SafetyConfig:
     # fewer blocked, at ~120-160 ms more before the first token of a turn whose message is in doubt; false = the
     # heads decide alone
     second_opinion: bool = True
+    # the input's detectors read beside the turn (its retrieval and prefill start at once; nothing is shown
+    # until they allow it, a block cancels it); false = a message the fast detectors block never reaches the model
+    check_beside_turn: bool = True
 
 
 @dataclass(frozen=True)

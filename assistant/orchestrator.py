@@ -116,7 +116,8 @@ class Orchestrator:
                 yield Done(cid, "", "", "error")
                 return
         history = self.store.history(cid)
-        verdict = self._check(cid, text)
+        cancel = cancel or threading.Event()
+        verdict = self._check(cid, text, cancel)
         if not verdict.allowed:
             yield from self._refuse(cid, text, meta, verdict)
             return
@@ -124,10 +125,9 @@ class Orchestrator:
             yield SafetyVerdict("input", True, verdict.category, verdict.reason, verdict.score, verdict.threshold,
                                 verdict.detector)
         user = self.store.add_message(cid, "user", text, meta=meta)
-        cancel = cancel or threading.Event()
         yield from self._gated(self._answer(cid, user, history, params or self.default_params(), cancel,
                                             speak=turn_input.speak, model=turn_input.model, scope=scope,
-                                            tap=verdict.tap), verdict, cid, user, cancel)
+                                            tap=verdict.tap, begin=verdict.begin), verdict, cid, user, cancel)
 
     def regenerate(self, conversation_id: str, *, params: SamplingParams | None = None,
                    cancel: threading.Event | None = None, speak: bool = False,
@@ -151,16 +151,16 @@ class Orchestrator:
             raise StoreError(f"Message {message_id} is not a user message of conversation {conversation_id}.")
         history = self.store.history(conversation_id, head_id=old.parent_id)
         text = new_text.strip()
-        verdict = self._check(conversation_id, text)
+        cancel = cancel or threading.Event()
+        verdict = self._check(conversation_id, text, cancel)
         if not verdict.allowed:
             self.store.set_head(conversation_id, old.parent_id)
             yield from self._refuse(conversation_id, text, {"edited_from": old.id}, verdict)
             return
         user = self.store.add_message(conversation_id, "user", text, parent_id=old.parent_id,
                                       meta={"edited_from": old.id})
-        cancel = cancel or threading.Event()
         yield from self._gated(self._answer(conversation_id, user, history, params or self.default_params(), cancel,
-                                            speak=speak, scope=scope, tap=verdict.tap),
+                                            speak=speak, scope=scope, tap=verdict.tap, begin=verdict.begin),
                                verdict, conversation_id, user, cancel)
 
     # -- one turn -------------------------------------------------------------------------------
@@ -169,17 +169,25 @@ class Orchestrator:
         bind = getattr(self.input_guard, "for_conversation", None)
         return bind(cid) if bind is not None else self.input_guard
 
-    def _check(self, cid: str, text: str) -> Any:
-        """The input verdict, with a slow second opinion possibly still `pending` (see `_gated`)."""
+    def _check(self, cid: str, text: str, cancel: threading.Event) -> Any:
+        """The input verdict, `pending` while the detectors still read beside the turn (see `_gated`;
+        `cancel`, the turn's, is set when they block). safety.check_beside_turn = false keeps a message
+        the fast detectors block from reaching the model at all."""
         guard = self._guard(cid)
+        beside = getattr(guard, "check_beside", None)
+        if beside is not None and self.config.safety.check_beside_turn:
+            return beside(text, where="input", cancel=cancel)
         early = getattr(guard, "check_early", None)
         return early(text, where="input") if early is not None else guard.check(text, where="input")
 
     def _gated(self, events: Iterator[TurnEvent], verdict: Any, cid: str, user: StoredMessage,
                cancel: threading.Event) -> Iterator[TurnEvent]:
-        """The turn's events, held back while the input's second opinion is pending.
+        """The turn's events, held back while the input's verdict is pending.
 
-        Design note — the second opinion reads beside the turn: a message the fast detectors leave in
+        Design note — the input check reads beside the turn: the fast detectors run on a thread of
+        their own, started (`verdict.begin`, handed down like the tap) just before the turn's first
+        model call, so they read while the engine prefills on the other core
+        (`SafetyGuard.check_beside`; a block sets `cancel` at once). A message they leave in
         doubt is read again by a slower one (assistant/safety/probe.py). Where the turn's model is the
         one it reads, it reads the turn's own prefill (`verdict.tap`, handed to the first model call:
         assistant/engine/taps.py), so the verdict is ready with the prompt; elsewhere it runs its own
@@ -194,7 +202,12 @@ class Orchestrator:
             if isinstance(event, TurnStarted):
                 answer_id = event.message_id
             if pending is not None and not _before_verdict(event):
-                final, pending = pending(), None
+                try:
+                    final, pending = pending(), None
+                except BaseException:  # a detector failed: the turn must not go on unchecked
+                    cancel.set()
+                    events.close()
+                    raise
                 if not final.allowed:
                     cancel.set()
                     events.close()
@@ -263,11 +276,12 @@ class Orchestrator:
 
     def _answer(self, cid: str, user: StoredMessage, history: list[StoredMessage], params: SamplingParams,
                 cancel: threading.Event | None, *, speak: bool = False, model: str = "",
-                scope: frozenset[str] | None = None, tap: Any = None) -> Iterator[TurnEvent]:
+                scope: frozenset[str] | None = None, tap: Any = None,
+                begin: Callable[[], Any] | None = None) -> Iterator[TurnEvent]:
         answer = self.store.add_message(cid, "assistant", "", parent_id=user.id, status="partial")
         yield TurnStarted(cid, user.id, answer.id)
         turn = TurnState(cid, SourceLedger(), None if scope is None else frozenset(scope))
-        turn.prefer, turn.tap = model, tap
+        turn.prefer, turn.tap, turn.begin = model, tap, begin
         chat, ids, memory = _prompt_history(history)
         transformers = [t.for_turn(cid) if hasattr(t, "for_turn") else t for t in self.transformers]
         if self.speaker is not None and (speak or self.config.speech.speak_answers):

@@ -66,6 +66,9 @@ class Verdict:
     # what the pending opinion would read from the turn's own prefill (assistant/engine/taps.py): the
     # orchestrator hands it to the turn's first model call, which fills it or declines it
     tap: Any = field(default=None, compare=False)
+    # a check that waits to be started (InputGuard.check_beside): the orchestrator starts it once the
+    # turn's own Python work is done and its model call is next, so the two do not queue for the GIL
+    begin: Callable[[], None] | None = field(default=None, compare=False)
 
     def final(self) -> "Verdict":
         """This verdict, or the second opinion's when one is pending (waits for it)."""
@@ -83,7 +86,9 @@ class InputGuard(Protocol):
         """where: "input" (the user's message), "retrieved" (document passages) or "tool" (tool output).
         An allowed verdict with a category is a warning the user is shown. It may also offer
         `check_early(text, where=...)`: the same verdict, except that a slow second opinion may still be
-        `pending` (the orchestrator lets the turn start and shows nothing until it resolves)."""
+        `pending` (the orchestrator lets the turn start and shows nothing until it resolves), and
+        `check_beside(text, where=..., cancel=...)`: every detector pending, started by `Verdict.begin`
+        beside the turn's first model call, `cancel` set when they block."""
         ...
 
 

@@ -96,12 +96,13 @@ MANUAL = {
 
 
 def make_assistant(tmp_path, *script, tools=(), retriever=None, context_window=4096, options=None, engine=None,
-                   safety=False, **seams):
+                   safety=False, overrides=None, **seams):
     """An Assistant from the real composition root, with a scripted engine, an in-memory store, the
     given tools and (when given) the document tools over a fake retriever. The real safety layer
     (assistant/safety) is off unless `safety=True`: its own tests plug in fake detectors."""
     engine = engine or ScriptedEngine(script, context_window=context_window)
-    config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "safety.enabled": safety})
+    config = AssistantConfig.load(env={}, overrides={"data_dir": str(tmp_path), "safety.enabled": safety,
+                                                     **(overrides or {})})
     assistant = build_assistant(config, engine=engine, store=Store("sqlite://"), tools=list(tools),
                                 retriever=retriever,
                                 options=options or AgentOptions(), **seams)

@@ -21,6 +21,7 @@ from assistant.safety.output import OutputGuard
 from assistant.safety.policy import Policy, available_policies, load_policy
 from assistant.safety.redact import LeakMatcher, find, luhn_ok
 from assistant.store import Store
+from assistant.engine.fake import ScriptedEngine
 from tests.agent_fakes import FakeRetriever, make_assistant
 
 TRIGGERS = {"prompt_injection": "IGNORE-RULES", "toxicity": "IDIOT", "weapons": "PIPE-BOMB", "malware": "RANSOMWARE",
@@ -415,6 +416,53 @@ def test_a_declined_or_unused_tap_has_the_probe_read_the_text_itself():
     assert probe.calls == 2 and probe.tapped == 0
 
 
+class GatedHead(Doubtful):
+    """Doubtful, but it scores only once `gate` is set (a head still reading while the turn starts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def score(self, text):
+        assert self.gate.wait(5)
+        return super().score(text)
+
+
+def test_check_beside_starts_when_asked_and_decides_beside_the_turn():
+    """The whole input check runs beside the turn: the verdict is pending at once, its detectors start
+    when `begin` is called (or when it is resolved); a sure block sets the turn's cancel at once; a tap
+    nobody will need is declined so the engine stops filling it; a doubtful text keeps its tap."""
+    head, probe = GatedHead(), TappingProbe()
+    guard = layer(MemoryAudit(), head=head, probe=probe).input_guard
+    cancel = threading.Event()
+    doubtful = guard.check_beside("maybe a bad thing", where="input", cancel=cancel)
+    assert doubtful.allowed and doubtful.pending is not None and doubtful.begin is not None
+    assert doubtful.tap is not None and not doubtful.tap.settled  # the prefill may reach the message first
+    head.gate.set()
+    time.sleep(0.05)
+    assert head.calls == 0  # not started yet: the turn's own work first
+    doubtful.begin()
+    _fill(doubtful.tap, 0.9)
+    final = doubtful.final()
+    assert head.calls == 1 and not final.allowed and final.detector == "head+probe"
+    assert (probe.tapped, probe.calls) == (1, 0)
+    sure = guard.check_beside("a PIPE-BOMB", where="input", cancel=cancel)
+    assert sure.allowed and sure.pending is not None  # pending like any other
+    sure.begin()
+    for _ in range(100):
+        if cancel.is_set():
+            break
+        time.sleep(0.01)
+    assert cancel.is_set()  # before anyone asked for the verdict: the turn stops at once
+    blocked = sure.final()
+    assert not blocked.allowed and blocked.detector == "head"
+    assert sure.tap.settled and "no second opinion" in sure.tap.reason
+    calm = threading.Event()
+    fine = guard.check_beside("a fine thing", where="input", cancel=calm)  # never begun: resolving starts it
+    assert fine.final().allowed and not calm.is_set() and fine.tap.features is None and fine.tap.settled
+    assert (probe.tapped, probe.calls) == (1, 0)
+
+
 class BrokenProbe:
     name, categories = "probe", INPUT_CATEGORIES
 
@@ -479,18 +527,39 @@ def test_a_turn_waits_for_the_second_opinion_before_showing_anything(tmp_path, m
 
 
 
-def test_turns_are_guarded_and_the_stored_answer_is_redacted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("beside", [True, False])
+def test_turns_are_guarded_and_the_stored_answer_is_redacted(tmp_path, monkeypatch, beside):
+    """With the check beside the turn (the default) a blocked question's model call may have started,
+    but nothing of the model's answer is shown or stored, and the request is cancelled; with
+    safety.check_beside_turn = false it never reaches the model."""
     monkeypatch.setattr("assistant.safety.layer.real_detectors", lambda head_dir=None, models_dir=None: detectors())
-    assistant, engine = make_assistant(tmp_path, ["Your key is sk-live-9a8B7c6D", "5e4F3g2H1i0JkLmNoPqRs. Bye."],
-                                       safety=True)
+    cancels: list = []
+
+    class Watched(ScriptedEngine):
+        def generate(self, prompt, params, *, tools=None, cancel=None):
+            time.sleep(0.2)  # a prefill: the fast detectors, started just before it, decide meanwhile
+            cancels.append(cancel.is_set())
+            yield from super().generate(prompt, params, tools=tools, cancel=cancel)
+
+    engine = Watched([["Your key is sk-live-9a8B7c6D", "5e4F3g2H1i0JkLmNoPqRs. Bye."],
+                      "Step one: buy the precursors."])
+    assistant, _ = make_assistant(tmp_path, engine=engine, safety=True,
+                                  overrides={"safety.check_beside_turn": beside})
     events = list(assistant.turn(None, "what is my key?"))
     done = events[-1]
     assert "sk-live" not in done.text and "[redacted: api key]" in done.text
     stored = assistant.conversations.history(done.conversation_id)[-1]
     assert stored.content == done.text
     blocked = list(assistant.turn(done.conversation_id, "how do I COOK-METH at home"))
+    assert [type(e).__name__ for e in blocked] == ["TurnStarted", "SafetyVerdict", "Done"]
     assert blocked[-1].finish_reason == "blocked" and "drug" in blocked[-1].text
-    assert len(engine.prompts) == 1  # the blocked question never reached the model
+    user, answer = assistant.conversations.history(done.conversation_id)[-2:]
+    assert user.status == "blocked" and answer.content == blocked[-1].text
+    assert "precursors" not in answer.content
+    if beside:
+        assert len(engine.prompts) == 2 and cancels == [False, True]  # began beside the check, stopped by it
+    else:
+        assert len(engine.prompts) == 1  # the blocked question never reached the model
 
 
 def test_injected_document_text_is_quarantined_in_a_turn(tmp_path, monkeypatch):

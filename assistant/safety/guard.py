@@ -18,7 +18,9 @@ stronger category, takes the place of `after`'s hits (detector "head+probe" in t
 the band `after` decides as before; a block by an earlier detector needs no second opinion.
 `check` waits for it. `check_early` returns at once with the opinion `pending` on an allowed verdict,
 so the orchestrator can start the turn (retrieval, the model's prefill) while it reads and show
-nothing until it resolves: the user-facing wait stays that of the fast detectors.
+nothing until it resolves: the user-facing wait stays that of the fast detectors. `check_beside` moves
+those beside the turn too: the turn's model call starts with them (`Verdict.begin`), so a guarded
+turn's first token waits for neither (bench/safety.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from assistant.seams import ALLOWED, Verdict
 
 # second opinions run here, beside the turn they may stop (one at a time: each is a model forward pass)
 _SECOND_OPINIONS = ThreadPoolExecutor(1, thread_name_prefix="safety-second-opinion")
+# `check_beside`'s fast detectors, one turn each (turns run concurrently in `serve`)
+_FIRST_CHECKS = ThreadPoolExecutor(4, thread_name_prefix="safety-check")
 log = logging.getLogger(__name__)
 TAP_TIMEOUT_S = 30.0  # the longest a verdict waits for a turn's prefill to reach the message (a busy engine)
 _warned: set[str] = set()
@@ -165,18 +169,65 @@ class SafetyGuard:
         first, later = self._first_hit(text, where, self.policy)
         if later is None:
             return self._verdict(text, where, first)
-        make_tap = getattr(self.detectors[self.policy.stage(where).second_opinion.detector], "tap", None)
-        opinion = _SecondOpinion(later, make_tap(text) if callable(make_tap) else None)
+        opinion = _SecondOpinion(later, self._tap(text, where))
+        return self._pending(text, where, opinion.result, opinion.tap)
+
+    def check_beside(self, text: str, *, where: str, cancel: threading.Event | None = None) -> Verdict:
+        """`check_early` with its fast detectors moved beside the turn too: returns at once, the whole
+        verdict `pending` (the caller resolves it before it shows anything that depends on the text
+        being allowed). The detectors start on `_FIRST_CHECKS` when the caller calls `begin` (the
+        orchestrator: just before the turn's first model call, when its own thread only waits for
+        tokens; started earlier, they and the turn's Python work queue for the GIL and the turn gains
+        nothing), or when the verdict is resolved. The second opinion's tap is made at once and
+        declined as soon as the fast detectors need no second opinion, so the engine stops filling
+        it. `cancel` (the turn's) is set the moment they block, so a refused turn stops during its
+        prefill, not at its first token."""
+        tap = self._tap(text, where)
+
+        def first_stage() -> tuple[Hit | None, _SecondOpinion | None]:
+            first, later = self._first_hit(text, where, self.policy)
+            if later is None:
+                if cancel is not None and first is not None and first.action == "block":
+                    cancel.set()
+                if tap is not None:
+                    tap.decline("the fast detectors needed no second opinion")
+                return first, None
+            return first, _SecondOpinion(later, tap)  # started here: a declined tap's own read begins at once
+
+        futures: list[Future] = []
+        lock = threading.Lock()
+
+        def begin() -> Future:
+            with lock:
+                if not futures:
+                    futures.append(_FIRST_CHECKS.submit(first_stage))
+                return futures[0]
+
+        def decide() -> Hit | None:
+            first, opinion = begin().result()
+            return opinion.result() if opinion is not None else first
+
+        verdict = self._pending(text, where, decide, tap)
+        return Verdict(pending=verdict.pending, tap=tap, begin=begin)
+
+    def _tap(self, text: str, where: str) -> Any:
+        """A tap for the stage's second opinion on `text`, when it has one and its detector reads taps."""
+        second = self.policy.stage(where).second_opinion if self.second_opinion else None
+        make_tap = getattr(self.detectors.get(second.detector), "tap", None) if second else None
+        return make_tap(text) if callable(make_tap) else None
+
+    def _pending(self, text: str, where: str, decide: Callable[[], Hit | None], tap: Any) -> Verdict:
+        """An allowed-looking verdict whose `pending` resolves (once, audited once) to `decide()`'s."""
         done: list[Verdict] = []
         lock = threading.Lock()
 
         def resolve() -> Verdict:
             with lock:  # audited once, however often it is asked
                 if not done:
-                    done.append(self._verdict(text, where, opinion.result()))
+                    done.append(self._verdict(text, where, decide()))
                 return done[0]
 
-        return Verdict(pending=resolve, tap=opinion.tap)
+        return Verdict(pending=resolve, tap=tap)
 
     def _verdict(self, text: str, where: str, hit: Hit | None) -> Verdict:
         if hit is None:
