@@ -36,6 +36,7 @@ Design note — the turn:
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from dataclasses import replace
@@ -62,6 +63,8 @@ __all__ = ["AgentOptions", "Orchestrator"]
 
 IngestFiles = Callable[[str, Sequence[Attachment]], Iterator[TurnEvent]]  # (conversation id, files) -> events
 
+
+log = logging.getLogger(__name__)
 
 class Orchestrator:
     def __init__(self, engine: Engine, store: Store, config: AssistantConfig, *, tools: ToolRegistry | None = None,
@@ -198,25 +201,42 @@ class Orchestrator:
         waits for the verdict. A block cancels the turn and ends it as a blocked message does: the
         question is marked `blocked`, the refusal is the answer, and SafetyVerdict + Done follow."""
         pending, answer_id = verdict.pending, ""
-        for event in events:
-            if isinstance(event, TurnStarted):
-                answer_id = event.message_id
-            if pending is not None and not _before_verdict(event):
-                try:
-                    final, pending = pending(), None
-                except BaseException:  # a detector failed: the turn must not go on unchecked
-                    cancel.set()
-                    events.close()
-                    raise
-                if not final.allowed:
-                    cancel.set()
-                    events.close()
-                    yield from self._blocked_late(cid, user, answer_id, final)
-                    return
-                if final.category:
-                    yield SafetyVerdict("input", True, final.category, final.reason, final.score, final.threshold,
-                                        final.detector)
-            yield event
+        try:
+            for event in events:
+                if isinstance(event, TurnStarted):
+                    answer_id = event.message_id
+                if pending is not None and not _before_verdict(event):
+                    try:
+                        final, pending = pending(), None
+                    except BaseException:  # a detector failed: the turn must not go on unchecked
+                        pending = None
+                        cancel.set()
+                        events.close()
+                        raise
+                    if not final.allowed:
+                        cancel.set()
+                        events.close()
+                        yield from self._blocked_late(cid, user, answer_id, final)
+                        return
+                    if final.category:
+                        yield SafetyVerdict("input", True, final.category, final.reason, final.score,
+                                            final.threshold, final.detector)
+                yield event
+        finally:
+            if pending is not None:  # the turn ended before it needed the verdict (the client left, an error)
+                cancel.set()
+                self._unread_verdict(pending, user)
+
+    def _unread_verdict(self, pending: Callable[[], Any], user: StoredMessage) -> None:
+        """The verdict of a turn that ended before it was needed, read all the same: it is audited, and a
+        blocked question is marked as one, as if the turn had run to its end."""
+        try:
+            final = pending()
+            if not final.allowed:
+                self.store.update_message(user.id, status="blocked",
+                                          meta={**user.meta, "verdict": _verdict_meta(final)})
+        except Exception:  # noqa: BLE001 - nothing is left to show it to; the log keeps it
+            log.warning("The input check of message %s failed after its turn ended.", user.id, exc_info=True)
 
     def _blocked_late(self, cid: str, user: StoredMessage, answer_id: str, verdict: Any) -> Iterator[TurnEvent]:
         """A turn already started whose question the second opinion blocked: stored as `_refuse` stores it."""
