@@ -537,8 +537,8 @@ def test_turns_are_guarded_and_the_stored_answer_is_redacted(tmp_path, monkeypat
 
     class Watched(ScriptedEngine):
         def generate(self, prompt, params, *, tools=None, cancel=None):
-            time.sleep(0.2)  # a prefill: the fast detectors, started just before it, decide meanwhile
-            cancels.append(cancel.is_set())
+            # a prefill: the fast detectors, started just before it, decide meanwhile (a blocked one sets cancel)
+            cancels.append(cancel.wait(2.0) if "COOK-METH" in str(prompt) else cancel.is_set())
             yield from super().generate(prompt, params, tools=tools, cancel=cancel)
 
     engine = Watched([["Your key is sk-live-9a8B7c6D", "5e4F3g2H1i0JkLmNoPqRs. Bye."],

@@ -207,8 +207,7 @@ class SafetyGuard:
             first, opinion = begin().result()
             return opinion.result() if opinion is not None else first
 
-        verdict = self._pending(text, where, decide, tap)
-        return Verdict(pending=verdict.pending, tap=tap, begin=begin)
+        return self._pending(text, where, decide, tap, begin)
 
     def _tap(self, text: str, where: str) -> Any:
         """A tap for the stage's second opinion on `text`, when it has one and its detector reads taps."""
@@ -216,7 +215,8 @@ class SafetyGuard:
         make_tap = getattr(self.detectors.get(second.detector), "tap", None) if second else None
         return make_tap(text) if callable(make_tap) else None
 
-    def _pending(self, text: str, where: str, decide: Callable[[], Hit | None], tap: Any) -> Verdict:
+    def _pending(self, text: str, where: str, decide: Callable[[], Hit | None], tap: Any,
+                 begin: Callable[[], Any] | None = None) -> Verdict:
         """An allowed-looking verdict whose `pending` resolves (once, audited once) to `decide()`'s."""
         done: list[Verdict] = []
         lock = threading.Lock()
@@ -227,7 +227,7 @@ class SafetyGuard:
                     done.append(self._verdict(text, where, decide()))
                 return done[0]
 
-        return Verdict(pending=resolve, tap=tap)
+        return Verdict(pending=resolve, tap=tap, begin=begin)
 
     def _verdict(self, text: str, where: str, hit: Hit | None) -> Verdict:
         if hit is None:
