@@ -62,6 +62,10 @@ class EngineConfig:
     remote_api_key: str = ""  # bearer token for remote_url, if the server wants one
     remote_model: str = ""  # model name served at remote_url; "" = the first one the server lists
     quantize: str = "auto"  # weights: "auto" (int8 on CPU, none on CUDA), "none", "int8" (weight-only, per channel)
+    # int8 on CPU: the linears whose generated rows also multiply their activations' rounding residual
+    # (comma-separated from qkv, o, gate_up, down, or "all"; "" = none). Each costs multiply-adds in steps of
+    # several rows; engine/int8.py has the measured quality of each choice
+    int8_residual: str = "down"
     kv_cache_mb: int = 1024  # memory for the paged KV cache; bounds concurrent context tokens
     # what the KV cache stores: "auto" (the model's dtype), "float32" or "bfloat16" (half the bytes attention
     # reads and twice the tokens in kv_cache_mb; engine/native.py has the measured agreement and speed)
@@ -285,6 +289,10 @@ class AssistantConfig:
             raise ConfigError(f"engine.kv_dtype={e.kv_dtype!r} is not valid: use auto, float32 or bfloat16.")
         if e.quantize not in ("auto", "none", "int8"):
             raise ConfigError(f"engine.quantize={e.quantize!r} is not valid: use auto, none or int8.")
+        linears = ("qkv", "o", "gate_up", "down")  # engine/model.py LINEARS
+        if e.int8_residual.strip() != "all" and not {n.strip() for n in e.int8_residual.split(",") if n.strip()} <= set(linears):
+            raise ConfigError(f"engine.int8_residual={e.int8_residual!r} is not valid: use a comma-separated list of "
+                              f"{', '.join(linears)}, or all, or \"\" for none (default: down).")
         for name in ("kv_cache_mb", "block_size", "max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "max_waiting"):
             if getattr(e, name) < 1:
                 raise ConfigError(f"engine.{name}={getattr(e, name)} must be at least 1.")

@@ -42,6 +42,13 @@ def test_bad_number_names_the_setting():
         AssistantConfig.load(env={"ASSISTANT_SERVER_PORT": "70000"})
 
 
+def test_int8_residual_names_the_linears():
+    for good in ("down", "qkv, down", "all", ""):
+        assert AssistantConfig.load(overrides={"engine.int8_residual": good}).engine.int8_residual == good
+    with pytest.raises(ConfigError, match=r"engine.int8_residual='down,mlp' is not valid.*qkv, o, gate_up, down"):
+        AssistantConfig.load(overrides={"engine.int8_residual": "down,mlp"})
+
+
 def test_unknown_setting_lists_known_ones(tmp_path):
     toml = tmp_path / "b.toml"
     toml.write_text("[engine]\nmodle = 'small'\n")

@@ -152,6 +152,34 @@ def test_mixed_step_refines_only_generated_rows(layer):
     assert torch.equal(mixed[rows.decode], int8(x[rows.decode]))
 
 
+def test_a_linear_without_the_residual_pass_gives_generated_rows_one_pass(layer, weights, monkeypatch):
+    """Linear(residual=False) (model.RESIDUAL: the linears whose generated rows skip the pass): generated rows
+    get exactly what prompt rows get, alone, batched, mixed with prompt rows, and past the fused kernel's rows."""
+    weight, bias, int8 = layer
+    backend = "native" if int8.native is not None else "fbgemm"
+    lean = make_linear(weight, bias, backend, monkeypatch)
+    lean.residual = False
+    x = torch.randn(small_step_rows(int8), 256) * 3
+    generated = RowSplit.from_mask(torch.zeros(x.size(0), dtype=torch.bool))
+    want = one_pass(int8, x)
+    assert torch.equal(lean(x, generated), want)  # as many rows as the fused kernel takes: one pass each
+    assert not torch.equal(int8(x, generated), want)  # ... where the residual pass changes them
+    for i in range(0, x.size(0), 3):
+        assert torch.equal(lean(x[i:i + 3].clone(), RowSplit.from_mask(torch.zeros(3, dtype=torch.bool))), want[i:i + 3])
+    mixed = RowSplit.from_mask(torch.tensor([True, False, True, False, False, True]))
+    assert torch.equal(lean(x[:6], mixed), want[:6])
+    assert torch.equal(lean(x[:6]), int8(x[:6]))  # without a RowSplit (lm_head rows) every row keeps the pass
+
+
+def test_residual_linears_are_named_and_checked():
+    assert model_module.residual_linears("down") == ("down",)
+    assert model_module.residual_linears(" qkv , down") == ("qkv", "down")
+    assert model_module.residual_linears("all") == model_module.LINEARS
+    assert model_module.residual_linears("") == ()
+    with pytest.raises(ValueError, match="unknown linears.*'mlp'.*qkv, o, gate_up, down"):
+        model_module.residual_linears("down,mlp")
+
+
 def test_native_kernel_pads_odd_shapes(monkeypatch):
     torch.manual_seed(3)
     weight, bias = torch.randn(70, 30), torch.randn(70)  # neither a multiple of 64 outputs nor of 4 inputs

@@ -6,14 +6,22 @@ every linear of the transformer (and its lm_head) from it and hands each call th
 int8 (`quantize="int8"`): per-output-channel symmetric int8 weights and dynamic per-row symmetric
 int8 activations, so every output is an exact int32 dot product, converted to float and scaled by
 the weight's channel scale, then by the row's scale.
-Generated tokens get a second pass: their quantization residual (x - scale * q, at most half a
-step) is quantized at 1/254 of the step and goes into the same GEMM as an extra row, so the
-activations keep ~15 bits while the weights are read once. Measured against fp32 on the bench's 8
-prompts, 48 tokens each, teacher-forced through decode steps (next-token top-1 agreement, greedy
-answers identical): one pass 0.954 (1/8); with the residual pass 0.980-0.989 (4-5/8); bf16
-activations with `_weight_int8pack_mm` 0.974 (4/8); the pass on qkv/o/down only 0.977. (Single
-answers are no measure: `assistant chat` answers "What is 2+2?" with 4 or 6 depending on rounding
-details, and fp32 itself only repeats the question.) Prompt tokens keep one pass: prefill is
+Generated tokens get a second pass on the linears that need it (`residual=True`; model.RESIDUAL, set
+by `engine.int8_residual`): their quantization residual (x - scale * q, at most half a step) is
+quantized at 1/254 of the step and goes into the same GEMM as an extra row, so the activations keep
+~15 bits while the weights are read once. Measured against fp32 on the bench's 8 prompts, 48 tokens
+each, teacher-forced through decode steps (next-token top-1 agreement, greedy answers identical): one
+pass 0.954 (1/8); with the residual pass 0.980-0.989 (4-5/8); bf16 activations with
+`_weight_int8pack_mm` 0.974 (4/8). Which linears need it, measured on 24 prompts (794 decode rows,
+top-1 agreement with fp32 / mean KL(fp32 || int8) of the next-token distribution): every linear 0.975
+/ 0.0032; all but gate_up 0.975 / 0.0036; **down only 0.977 / 0.0039**; qkv and down 0.974 / 0.0038; none
+0.966 / 0.0063. The pass pays off on `down`, whose input (SwiGLU's output) has the outlier channels
+that set a row's scale; elsewhere it buys little. A pass costs nothing in a 1-row step (bound by the
+weight bytes) but a GEMM row in a step of several rows (bound by multiply-adds, below), and gate_up
+alone is 58% of a layer's multiply-adds: with `down` only, a generated row is 1.29 GEMM rows instead
+of 2, and an 8-row step 1.95x a 1-row step instead of 2.13x (its step curve, two models in one run).
+(Single answers are no measure: `assistant chat` answers "What is 2+2?" with 4 or 6 depending on
+rounding details, and fp32 itself only repeats the question.) Prompt tokens keep one pass: prefill is
 compute-bound, and only a prompt's last token is sampled (its lm_head row gets the pass).
 Kernels, all computing exactly that arithmetic, so a row's output never depends on which one ran:
   * native.py (default where the CPU has AVX-512 VNNI and g++ is present): up to MAX_ROWS (32) GEMM
@@ -23,8 +31,9 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     kernel-side quantization and epilogue around `torch._int_mm` (oneDNN). Decode step, Qwen2.5-0.5B,
     2 threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
     that time went). Past a few rows a step is bound by multiply-adds, not bytes: the machine does
-    ~2.5e9 `vpdpbusd` a second (both vCPUs together), ~2.2 ms of them per GEMM row of this model, so
-    8 refined rows (16 GEMM rows) cannot cost less than ~36 ms of int8 work whatever the layout.
+    ~2.5-2.8e9 `vpdpbusd` a second (both vCPUs together), ~2.2 ms of them per GEMM row of this model,
+    so 8 rows refined on every linear (16 GEMM rows) could not cost less than ~36 ms of int8 work
+    whatever the layout; refined on `down` only they are ~10.3 GEMM rows.
     The prefill-chunk tuner in local.py measures what a step with prompt tokens costs and sizes
     chunks for its inter-token target.
   * without it, up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM
@@ -72,9 +81,11 @@ SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard devi
 class Linear:
     """y = x @ W.T + b, with W kept as fp32/bf16 or as per-channel int8 + scales."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype,
+                 *, residual: bool = True):
         self.bias = None if bias is None else bias.to(dtype)
         self.int8 = quantize == "int8"
+        self.residual = residual  # generated rows get the residual pass here (False: one pass for every row)
         self.packed = self.native = self.screen = self.exact = None
         self.screened_rows = self.screened_candidates = 0  # statistics of `greedy_logits`
         if self.int8:
@@ -96,10 +107,13 @@ class Linear:
     def __call__(self, x: torch.Tensor, rows: "RowSplit | None" = None) -> torch.Tensor:  # (T, K) -> (T, N)
         if not self.int8:
             return F.linear(x, self.weight, self.bias)
+        if rows is not None and not self.residual:
+            rows = rows.one_pass
         if self.native is not None:
             return self._native(x, rows)
         if self.packed is not None:  # generated tokens (and every lm_head row) get the residual pass
-            y = self._int8(x, slice(None) if rows is None or rows.prompt is None else rows.decode)
+            y = self._int8(x, slice(None) if rows is None or (rows.prompt is None and rows.num_refined)
+                           else rows.decode if rows.num_refined else None)
         elif rows is None or rows.prompt is None:
             y = self._weight_only(x)
         elif rows.decode is None:
@@ -258,6 +272,11 @@ class RowSplit:
     decode: torch.Tensor | None  # (T - P,) row indices
     refine: torch.Tensor  # (T,) bool: the rows that get the residual pass (generated tokens)
     num_refined: int
+
+    @functools.cached_property
+    def one_pass(self) -> "RowSplit":
+        """The same rows for a linear without the residual pass (`Linear.residual`): none refined."""
+        return RowSplit(self.prompt, self.decode, torch.zeros_like(self.refine), 0)
 
     @classmethod
     def from_mask(cls, is_prompt: torch.Tensor) -> "RowSplit":

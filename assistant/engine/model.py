@@ -69,6 +69,17 @@ def unsupported_reason(hf_config: Any) -> str | None:
 
 
 LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the order csrc/decode_stack.cpp takes them
+RESIDUAL = ("down",)  # int8: the linears whose generated rows get the residual pass (int8.py says why these)
+
+
+def residual_linears(setting: str) -> tuple[str, ...]:
+    """engine.int8_residual ("down", "qkv,down", "all", "" for none) -> linear names, checked."""
+    names = LINEARS if setting.strip() == "all" else tuple(n.strip() for n in setting.split(",") if n.strip())
+    unknown = sorted(set(names) - set(LINEARS))
+    if unknown:
+        raise ValueError(f"engine.int8_residual: unknown linears {unknown}; use a comma-separated list of "
+                         f"{', '.join(LINEARS)}, or \"all\", or \"\" for none")
+    return names
 ATTEND_MAX_QUERIES = 16  # native attention up to this many new tokens of a sequence (with the layer stack), SDPA beyond
 
 
@@ -110,8 +121,10 @@ class SeqBatch:
 
 class Transformer:
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], *, quantize: str | None, dtype: torch.dtype,
-                 device: Any) -> None:
+                 device: Any, residual: Sequence[str] = RESIDUAL) -> None:
         self.args, self.dtype, self.device, self.quantize = args, dtype, device, quantize
+        self.residual = residual_linears(",".join(residual))
+        linear = lambda name, w, b: Linear(w, b, quantize, dtype, residual=name in self.residual)  # noqa: E731
         get = lambda name: state[name].to(device)  # noqa: E731
         opt = lambda name: state[name].to(device) if name in state else None  # noqa: E731
         self.embed = get("model.embed_tokens.weight").to(dtype)  # (V, D)
@@ -128,11 +141,11 @@ class Transformer:
             gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             self.layers.append({
                 "attn_norm": get(p + "input_layernorm.weight").to(dtype),
-                "qkv": Linear(qkv_w, qkv_b, quantize, dtype),
-                "o": Linear(get(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias"), quantize, dtype),
+                "qkv": linear("qkv", qkv_w, qkv_b),
+                "o": linear("o", get(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
                 "mlp_norm": get(p + "post_attention_layernorm.weight").to(dtype),
-                "gate_up": Linear(gate_up, None, quantize, dtype),
-                "down": Linear(get(p + "mlp.down_proj.weight"), None, quantize, dtype),
+                "gate_up": linear("gate_up", gate_up, None),
+                "down": linear("down", get(p + "mlp.down_proj.weight"), None),
             })
         self.cos, self.sin = rope_tables(args, min(args.max_position, 32768), device)
         scales = [args.head_dim ** -0.5] * args.num_heads + [1.0] * args.num_kv_heads
@@ -155,14 +168,16 @@ class Transformer:
 
             self._stacks[first, end] = self.ops.DecodeStack([[layer["attn_norm"], layer["mlp_norm"],
                                                               *(t for n in LINEARS for t in tensors(layer[n]))]
-                                                             for layer in self.layers[first:end]])
+                                                             for layer in self.layers[first:end]],
+                                                            [n in self.residual for n in LINEARS])
         return self._stacks[first, end]
 
     @classmethod
-    def from_hf(cls, hf_model: Any, *, quantize: str | None = None) -> "Transformer":
+    def from_hf(cls, hf_model: Any, *, quantize: str | None = None, residual: Sequence[str] = RESIDUAL) -> "Transformer":
         args = ModelArgs.from_hf_config(hf_model.config)
         param = next(hf_model.parameters())
-        return cls(args, dict(hf_model.state_dict()), quantize=quantize, dtype=param.dtype, device=param.device)
+        return cls(args, dict(hf_model.state_dict()), quantize=quantize, dtype=param.dtype, device=param.device,
+                   residual=residual)
 
     def decode_bytes(self) -> int:
         """Weight bytes one greedy decode step reads: every linear, the lm_head through its 4-bit screen

@@ -35,9 +35,22 @@ unsigned operand, register tiles of 6 rows, chunked K so the weight stream overl
 multiply-adds); attention sums 16 keys' scores with one merge tree. Step time over a 1-row step,
 0.5B, each row its own sequence at 300 tokens of context, old and new kernels alternating in one run:
 4 rows 2.33-2.52x -> 1.38-1.39x, 8 rows 4.55-5.09x -> 1.95-2.22x, 16 rows 5.36-5.54x -> 3.98-4.12x
-(aggregate decode rate at 8 streams 1.6-1.8x -> 3.6-4.1x one stream's). The issue's 1.3x at 8 rows
-is below the multiply-add floor above (16 GEMM rows: ~36 ms against a ~24 ms 1-row step) while every
-generated row keeps its residual pass.
+(aggregate decode rate at 8 streams 1.6-1.8x -> 3.6-4.1x one stream's). That was the multiply-add
+floor while every linear gave generated rows the residual pass (16 GEMM rows: ~36 ms against a ~24 ms
+1-row step). Then, profiled per kernel at 8 rows (real hidden states): gate_up 13.2-15 ms against 8.5-9 ms
+for its bytes alone and ~9 ms for its multiply-adds alone; the screened head 7.2-8.2 ms against 3.2 ms.
+What followed: (1) the residual pass only where it pays (`down`, int8.py has the measured quality):
+8-row step 2.13x -> 1.95x, aggregate at 8 streams 4.15x -> 4.48x (two engines, same session);
+(2) in a step of several register tiles, every tile now prefetches its share of the next chunk (the
+k-th of T tiles every T-th word group) instead of the first tile all of it: the memory stream then
+flows under every tile's multiply-adds. gate_up-shaped linear at 8 rows, 24 weight copies, alternating
+builds: 14.3-15.2 -> 12.6-13.2 ms (1 row unchanged, 9.8-10.9 ms); (3) the screened head runs its
+4-bit stream the same way, in chunks with shared prefetch. With all three: aggregate at 8 streams
+4.71-4.72x one stream's (step 36.4 ms at 8 streams against 22.4 ms at 1, forward 34.8 vs 21.8 ms).
+Tried and dropped: prefetching attention's paged keys and values (no gain: cold attention at 8 rows
+x 300 keys, 9.0 vs 9.7 ms; it is bound by this core's misses in flight, ~7 GB/s, not by the order of
+the reads: a head-contiguous cache ran at the same bytes per second); a 16 KB prefetch distance or
+16 KB chunks (within noise).
 Attention (csrc/layer_ops.cpp `attend`) was compute-bound, not bandwidth-bound: a horizontal sum per
 key and head, the values re-read once per query head, loops over a head's vectors with a run-time
 trip count (accumulators in memory). Now each (row, kv head) item is a template on hd / 16: 16 keys'

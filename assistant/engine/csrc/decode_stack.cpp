@@ -11,12 +11,20 @@
 
 namespace {
 
+struct Refine {  // a step's generated rows (int8.py RowSplit): their residual-pass mask and count, and no rows
+  torch::Tensor mask, none;
+  int64_t count;
+};
+
 struct Int8Linear {  // int8.py Linear with the native kernel: VNNI layout, correction, scales, int8 rows, bias
   torch::Tensor packed, ws, weight;
   c10::optional<torch::Tensor> bias;
+  bool residual;  // Linear.residual: generated rows get the residual pass
 
   // Linear._native: the fused kernel up to MAX_ROWS GEMM rows, else quantize + torch._int_mm + finish
-  torch::Tensor operator()(const torch::Tensor& x, const torch::Tensor& refine, int64_t refined) const {
+  torch::Tensor operator()(const torch::Tensor& x, const Refine& rows) const {
+    const torch::Tensor& refine = residual ? rows.mask : rows.none;
+    const int64_t refined = residual ? rows.count : 0;
     if (x.size(0) + refined <= int8k::MAX_ROWS) return linear(x, packed, ws, bias, refine);
     auto q = quantize(x, refine);
     return finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias);
@@ -31,12 +39,14 @@ struct Layer {
 class DecodeStack {
  public:
   // per layer: attn_norm, mlp_norm, then (packed, scale, weight, bias or an empty tensor) for qkv, o, gate_up,
-  // down
-  explicit DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers) {
+  // down; residual: which of the four give generated rows the residual pass (Linear.residual)
+  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, const std::vector<bool>& residual) {
+    TORCH_CHECK(residual.size() == 4, "DecodeStack: a residual flag per linear (qkv, o, gate_up, down)");
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 18, "DecodeStack: 18 tensors per layer");
       auto lin = [&](size_t i) {
-        return Int8Linear{t[i], t[i + 1], t[i + 2], t[i + 3].numel() ? c10::optional<torch::Tensor>(t[i + 3]) : c10::nullopt};
+        return Int8Linear{t[i], t[i + 1], t[i + 2], t[i + 3].numel() ? c10::optional<torch::Tensor>(t[i + 3]) : c10::nullopt,
+                          residual[(i - 2) / 4]};
       };
       layers_.push_back(Layer{t[0], t[1], lin(2), lin(6), lin(10), lin(14)});
     }
@@ -49,13 +59,14 @@ class DecodeStack {
                     int64_t H, int64_t KVH, double q_scale) const {
     TORCH_CHECK(kc.size() == layers_.size() && vc.size() == layers_.size(), "DecodeStack: one KV cache per layer");
     const int64_t T = h.size(0);
+    const Refine rows{refine, torch::zeros_like(refine), refined};
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      auto qkv = l.qkv(rms_norm(h, l.attn_norm, eps), refine, refined);
+      auto qkv = l.qkv(rms_norm(h, l.attn_norm, eps), rows);
       auto q = rope_store(qkv, cos, sin, H, KVH, q_scale, kc[i], vc[i], new_slots);
       auto out = attend(q, kc[i], vc[i], slots, kv_off, q_off);
-      h = h + l.o(out.reshape({T, -1}), refine, refined);
-      h = h + l.down(swiglu(l.gate_up(rms_norm(h, l.mlp_norm, eps), refine, refined)), refine, refined);
+      h = h + l.o(out.reshape({T, -1}), rows);
+      h = h + l.down(swiglu(l.gate_up(rms_norm(h, l.mlp_norm, eps), rows)), rows);
     }
     return h;
   }
@@ -68,7 +79,7 @@ class DecodeStack {
 
 void register_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&>())
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, const std::vector<bool>&>())
       .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "every decoder layer of a natively attending step (model.py Transformer.forward's loop)");
 }

@@ -10,8 +10,8 @@
 // `quantize` + torch._int_mm + `finish` (prefill) and `linear` (<= MAX_ROWS rows) both compute exactly this;
 // IEEE operations in a fixed order, built with -ffp-contract=off so no FMA can change a rounding.
 //
-// Design note: rows at the cost of one. A step with R decode rows (streams, speculated tokens) is 2R GEMM rows
-// (each with its residual row). The weights are streamed from memory once per step whatever R is; the
+// Design note: rows at the cost of one. A step with R decode rows (streams, speculated tokens) is R GEMM rows,
+// plus R residual rows on the linears that refine generated rows (int8.py: `down`). The weights are streamed from memory once per step whatever R is; the
 // multiply-adds grow with R. `vpdpbusd` takes unsigned bytes in its register operand and signed bytes in its
 // broadcastable memory operand, so the weights are stored as w + 128 (unsigned) and the activations stay
 // signed: (w + 128) . q = w . q + 128 sum(q), one correction per row instead of per output, and each row's
@@ -19,8 +19,10 @@
 // 24 accumulators and the 4 weight vectors in the 32 zmm registers (8 rows spilled: the old kernel's 8-row
 // pass cost 2.3x its 4-row pass). Past one tile, a block's K runs in chunks of CHUNK words (8 KB of weights,
 // L1-resident): every tile passes over a chunk, its accumulators parked in an L1 buffer between chunks, and
-// only the first tile of a chunk prefetches ahead, so the memory stream keeps flowing under the multiply-adds
-// instead of waiting for them pass by pass (the old kernel re-read a whole block from L2 per 8-row pass).
+// each of a chunk's T tiles prefetches every T-th word group of the next chunk, so the memory stream keeps
+// flowing under all the tiles' multiply-adds instead of waiting for them pass by pass (the old kernel re-read a
+// whole block from L2 per 8-row pass; with the first tile prefetching the whole next chunk, the stream stalled
+// while the later tiles ran: gate_up at 8 rows 14.3-15.2 -> 12.6-13.2 ms, native.py).
 // Measured by bench/engine.py's step curve (native.py has the figures).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -44,24 +46,32 @@ constexpr int64_t PREFETCH = 8192;  // bytes ahead of the weight stream (measure
 constexpr int64_t CHUNK = 32;       // K words per chunk when a block takes several tiles: 8 KB of weights
 
 // Rows r0 .. r0 + R over K words [k0, k0 + n) of one block (w: the block's packed bytes): accumulators read
-// from and written back to acc (zeroed when k0 == 0); the first tile of a chunk prefetches the stream ahead.
+// from and written back to acc (zeroed when k0 == 0). Tile `tile` of `tiles` prefetches the word groups
+// kg = tile, tile + tiles, ... of the stream ahead (a single tile: every one).
 template <int R>
-void tile_chunk(const uint8_t* w, const int32_t* x, int64_t K4, int64_t k0, int64_t n, bool prefetch,
+void tile_chunk(const uint8_t* w, const int32_t* x, int64_t K4, int64_t k0, int64_t n, int tile, int tiles,
                 int32_t (*acc)[BLOCK]) {
   __m512i a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = k0 ? _mm512_load_si512(acc[r] + 16 * j) : _mm512_setzero_si512();
   const uint8_t* base = w + k0 * 256;
-  auto load = [&](int64_t kg, __m512i (&v)[4], auto pf) {
-    const uint8_t* p = base + kg * 256;
-    if constexpr (decltype(pf)::value)
+  if (tiles == 1) {
+    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) {
+      const uint8_t* p = base + kg * 256;
       for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
-    for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(p + 64 * j);
-  };
-  if (prefetch)
-    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) { load(kg, v, std::true_type{}); }, x + k0, K4, n, a);
-  else
-    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) { load(kg, v, std::false_type{}); }, x + k0, K4, n, a);
+      for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(p + 64 * j);
+    }, x + k0, K4, n, a);
+  } else {
+    int64_t next = tile;
+    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) {
+      const uint8_t* p = base + kg * 256;
+      if (kg == next) {
+        for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
+        next += tiles;
+      }
+      for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(p + 64 * j);
+    }, x + k0, K4, n, a);
+  }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_store_si512(acc[r] + 16 * j, a[r][j]);
 }
@@ -78,12 +88,15 @@ void run_blocks(const Rows& rows, const uint8_t* packed, const int32_t* xb, int6
                 const float* ws, const float* xscale, const float* bias, float* out, int64_t N, int64_t b0, int64_t b1) {
   alignas(64) int32_t acc[MAX_ROWS][BLOCK];
   const int64_t chunk = rows.total <= TILE_ROWS ? K4 : CHUNK;
+  const int tiles = static_cast<int>((rows.total + TILE_ROWS - 1) / TILE_ROWS);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = packed + b * K4 * 256;
     for (int64_t k0 = 0; k0 < K4; k0 += chunk) {
       const int64_t n = std::min(chunk, K4 - k0);
+      int tile = 0;
       int8k::for_each_tile(rows.total, [&](int64_t r0, int64_t R) {
-        int8k::dispatch_rows(R, [&]<int T>() { tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, r0 == 0, acc + r0); });
+        int8k::dispatch_rows(R, [&]<int T>() { tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, tile, tiles, acc + r0); });
+        ++tile;
       });
     }
     for (int64_t i = 0; i < rows.n; ++i) {

@@ -36,6 +36,7 @@ using int8k::tail_mask;
 
 constexpr int64_t NIBBLE_BYTES = 128;  // one (64 outputs x 4 inputs) group of 4-bit weights
 constexpr int64_t PREFETCH = 4096;
+constexpr int64_t CHUNK = 32;  // K words per chunk when a block takes several tiles: 4 KB of nibbles
 
 struct Screen {  // the per-output data of the 4-bit copy
   const uint8_t* packed;  // h + 8 in [0, 15], two to a byte, VNNI block layout
@@ -45,39 +46,41 @@ struct Screen {  // the per-output data of the 4-bit copy
   int64_t K4, N;
 };
 
-// (h + 8) . q for R rows and one block of 64 outputs (the nibbles are vpdpbusd's unsigned operand, the
-// activations its signed one, as in int8_linear.cpp); the first tile over a block prefetches the stream.
+// (h + 8) . q for rows r0 .. r0 + R over K words [k0, k0 + n) of one block of 64 outputs (w: the block's nibbles;
+// the nibbles are vpdpbusd's unsigned operand, the activations its signed one, as in int8_linear.cpp):
+// accumulators read from and written back to acc (zeroed when k0 == 0). As in int8_linear.cpp, rows past one
+// tile run the block's K in chunks, every tile over a chunk while it is in L1, and tile `tile` of `tiles`
+// prefetches every tiles-th word group ahead: the memory stream then flows under every tile's multiply-adds
+// instead of stopping while the later tiles of a block compute (native.py has the figures).
 template <int R>
-void screen_tile(const uint8_t* w, const int32_t* xb, int64_t K4, bool prefetch, __m512i (&out)[R][4]) {
+void screen_chunk(const uint8_t* w, const int32_t* xb, int64_t K4, int64_t k0, int64_t n, int tile, int tiles,
+                  int32_t* acc) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i acc[R][4];  // local, so the accumulators stay in registers through the loop
+  __m512i a[R][4];  // local, so the accumulators stay in registers through the loop
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
-  auto load = [&](int64_t kg, __m512i (&v)[4], auto pf) {
-    const uint8_t* p = w + kg * NIBBLE_BYTES;
-    if constexpr (decltype(pf)::value) {
+    for (int j = 0; j < 4; ++j) a[r][j] = k0 ? _mm512_loadu_si512(acc + r * BLOCK + 16 * j) : _mm512_setzero_si512();
+  const uint8_t* base = w + k0 * NIBBLE_BYTES;
+  int64_t next = tile;  // this tile prefetches every tiles-th word group of the stream ahead
+  int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) {
+    const uint8_t* p = base + kg * NIBBLE_BYTES;
+    if (kg == next) {
       _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64), _MM_HINT_T1);
+      next += tiles;
     }
     const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
     v[0] = _mm512_and_si512(v0, low), v[1] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
     v[2] = _mm512_and_si512(v1, low), v[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
-  };
-  if (prefetch)
-    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) { load(kg, v, std::true_type{}); }, xb, K4, K4, acc);
-  else
-    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) { load(kg, v, std::false_type{}); }, xb, K4, K4, acc);
+  }, xb + k0, K4, n, a);
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) out[r][j] = acc[r][j];
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(acc + r * BLOCK + 16 * j, a[r][j]);
 }
 
-// Rows r0 .. r0 + R of one block b: est_v * ws_v into est, and the largest lower bound ws_v (est_v - zq sigma_v)
-// of each row max-combined into lower (16 lanes per row).
+// Rows r0 .. r0 + R of one block b from their accumulators (acc, BLOCK per row): est_v * ws_v into est, and the
+// largest lower bound ws_v (est_v - zq sigma_v) of each row max-combined into lower (16 lanes per row).
 template <int R>
-void estimate(const Screen& sc, const int32_t* xb, const float* sum_q, const float* zq, float* est, float* lower,
-              int64_t b, bool prefetch) {
-  __m512i acc[R][4];
-  screen_tile<R>(sc.packed + b * sc.K4 * NIBBLE_BYTES, xb, sc.K4, prefetch, acc);
+void estimate(const Screen& sc, const int32_t* acc, const float* sum_q, const float* zq, float* est, float* lower,
+              int64_t b) {
   for (int r = 0; r < R; ++r) {
     __m512 lo_r = _mm512_loadu_ps(lower + 16 * r);
     for (int j = 0; j < 4; ++j) {
@@ -85,7 +88,8 @@ void estimate(const Screen& sc, const int32_t* xb, const float* sum_q, const flo
       if (col >= sc.N) break;
       const __mmask16 m = tail_mask(sc.N - col);
       // H = acc - 8 sum(q);  est = 16 H + mean(l) sum(q)
-      const __m512i h = _mm512_sub_epi32(acc[r][j], _mm512_set1_epi32(8 * static_cast<int32_t>(sum_q[r])));
+      const __m512i h = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * BLOCK + 16 * j),
+                                         _mm512_set1_epi32(8 * static_cast<int32_t>(sum_q[r])));
       const __m512 e = _mm512_mul_ps(
           _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(16.f)),
                         _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc.mean + col), _mm512_set1_ps(sum_q[r]))),
@@ -152,17 +156,32 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
   float* op = out.data_ptr<float>();
   const Screen sc{packed.data_ptr<uint8_t>(), mean.data_ptr<float>(), ws.data_ptr<float>(), margin.data_ptr<float>(),
                   K4, N};
-  // one stream over the 4-bit copy for every row: per block, tiles of TILE_ROWS rows (the block stays in cache)
+  // one stream over the 4-bit copy for every row: per block, tiles of TILE_ROWS rows over chunks of its K
   const int threads = at::get_num_threads();
   std::vector<float> lower(static_cast<size_t>(threads) * n * 16, -INFINITY);
+  const int64_t chunk = n <= int8k::TILE_ROWS ? K4 : CHUNK;
+  const int tiles = static_cast<int>((n + int8k::TILE_ROWS - 1) / int8k::TILE_ROWS);
   at::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
     float* lw = lower.data() + static_cast<size_t>(at::get_thread_num()) * n * 16;
-    for (int64_t b = b0; b < b1; ++b)
+    std::vector<int32_t> acc(n * BLOCK);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = sc.packed + b * K4 * NIBBLE_BYTES;
+      for (int64_t k0 = 0; k0 < K4; k0 += chunk) {
+        int tile = 0;
+        int8k::for_each_tile(n, [&](int64_t r0, int64_t R) {
+          int8k::dispatch_rows(R, [&]<int T>() {
+            screen_chunk<T>(wb, xb.data() + r0 * K4, K4, k0, std::min(chunk, K4 - k0), tile, tiles,
+                            acc.data() + r0 * BLOCK);
+          });
+          ++tile;
+        });
+      }
       int8k::for_each_tile(n, [&](int64_t r0, int64_t R) {
         int8k::dispatch_rows(R, [&]<int T>() {
-          estimate<T>(sc, xb.data() + r0 * K4, sum_q.data() + r0, zq.data() + r0, op + r0 * N, lw + r0 * 16, b, r0 == 0);
+          estimate<T>(sc, acc.data() + r0 * BLOCK, sum_q.data() + r0, zq.data() + r0, op + r0 * N, lw + r0 * 16, b);
         });
       });
+    }
   });
   std::vector<float> floor_(n, -INFINITY);
   for (int t = 0; t < threads; ++t)
