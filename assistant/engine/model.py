@@ -80,6 +80,8 @@ def residual_linears(setting: str) -> tuple[str, ...]:
         raise ValueError(f"engine.int8_residual: unknown linears {unknown}; use a comma-separated list of "
                          f"{', '.join(LINEARS)}, or \"all\", or \"\" for none")
     return names
+
+
 ATTEND_MAX_QUERIES = 16  # native attention up to this many new tokens of a sequence (with the layer stack), SDPA beyond
 
 
