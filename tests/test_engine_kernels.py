@@ -439,3 +439,27 @@ def test_bfloat16_kv_cache_holds_rounded_keys_and_attends_over_them_exactly(ops)
     got = ops.attend(q, k16, v16, slots, kv_off, q_off)
     assert torch.equal(got, ops.attend(q, k16.float(), v16.float(), slots, kv_off, q_off))
     assert (got - ops.attend(q, k32, v32, slots, kv_off, q_off)).abs().max() < 0.05  # and close to float32 KV
+
+
+def test_native_argmax_is_torchs_argmax():
+    """model.argmax (csrc/lm_head.cpp `argmax_rows`) picks each row's token exactly as torch.argmax does: the
+    first of tied maxima, a lone finite logit among -inf (the screened head's rows), the first NaN, odd lengths."""
+    need(native.unavailable_reason() is not None or native.int8_kernels() is not None,
+         "the native int8 kernel (build failed)", "install g++ and ninja (make test does)")
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"native kernel: {native.unavailable_reason()}")
+    ops = native.int8_kernels()
+    gen = torch.Generator().manual_seed(7)
+    for width in (1, 15, 16, 17, 151_936):
+        rows = torch.randn(9, width, generator=gen)
+        rows[1] = float("-inf")  # nothing finite: torch names index 0
+        rows[2] = float("-inf")
+        rows[2, width - 1] = -3.0  # one candidate, last
+        rows[3] = 1.0  # all tied
+        rows[4, width // 2:] = rows[4].max() + 1  # tied maxima in several lanes: the first wins
+        rows[5, width // 3] = float("nan")
+        rows[6] = rows[6].round()  # many ties among integers
+        assert ops.argmax_rows(rows).tolist() == rows.argmax(-1).tolist(), width
+        assert model_module.argmax(rows) == rows.argmax(-1).tolist()  # what the engine and the draft model call
+    sliced = torch.randn(4, 40, generator=gen)[:, 3:37]  # not contiguous
+    assert ops.argmax_rows(sliced).tolist() == sliced.argmax(-1).tolist()

@@ -286,7 +286,7 @@ class DraftSpeculator:
         """One ragged draft step: append each item's tokens to its sequence's draft KV (item: state, new
         tokens, prompt length); -> the argmax after each item's last token (None where the draft cache
         had no room)."""
-        from assistant.engine.model import SeqBatch
+        from assistant.engine.model import SeqBatch, argmax as greedy_tokens
 
         torch = self._torch
         tokens: list[int] = []
@@ -310,7 +310,7 @@ class DraftSpeculator:
             logits = self.model.forward(torch.tensor(tokens, device=self.model.device),
                                         torch.tensor(positions, device=self.model.device), seqs, self.kv,
                                         greedy=[True] * len(seqs))
-            argmax = logits.argmax(-1).tolist()
+            argmax = greedy_tokens(logits)
         if measure and len(tokens) <= MAX_MEASURED_ROWS:
             self.draft_cost.observe(len(tokens), time.perf_counter() - begin)
         self.num_draft_rounds += 1

@@ -67,7 +67,7 @@ from assistant.engine.loading import (
     load_draft_model,
     load_model,
 )
-from assistant.engine.model import SeqBatch, Transformer, residual_linears
+from assistant.engine.model import SeqBatch, Transformer, argmax, residual_linears
 from assistant.engine.sampling import accept_greedy, accept_sampled, logits_to_probs, sample
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from assistant.engine.speculate import Speculator
@@ -436,7 +436,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
     def _process(self, scheduled: list[tuple[Request, int]], logits: Any) -> None:
         """Sample (or verify drafts), detokenise and stream per request, each under its own guard (see
         `_loop`). logits has 1 + len(draft_ids) rows per request, in batch order."""
-        greedy = logits.argmax(-1).tolist()  # batched: a failure fails the step
+        greedy = argmax(logits)  # batched: a failure fails the step
         ready = []
         with self._cond:
             row = 0

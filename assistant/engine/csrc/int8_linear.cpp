@@ -230,6 +230,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, nogil, "fused decode linear (quantize, VNNI GEMV, epilogue)");
   m.def("head_pack", &head_pack, nogil, "int8 head -> its 4-bit high nibbles (VNNI layout) and low-nibble statistics");
   m.def("head_greedy", &head_greedy, nogil, "greedy rows: exact logits of the screened candidates, -inf elsewhere");
+  m.def("argmax_rows", &argmax_rows, nogil, "torch.argmax(logits, -1) of fp32 (n, V) logits, in one AVX-512 pass");
   m.def("rms_norm", &rms_norm, nogil, "RMSNorm over rows");
   m.def("rope_store", &rope_store, nogil, "rotary embedding of q and k, k and v written to the KV cache");
   m.def("attend", &attend, nogil, "causal attention of a step's queries over paged KV slots");

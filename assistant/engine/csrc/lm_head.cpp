@@ -222,3 +222,46 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
   }
   return {out, counts};
 }
+
+// The argmax of every row of fp32 logits (n, V) -> int64 (n,), as torch.argmax(-1) gives it: the first index of
+// the largest value, and the first NaN's index where a row has one. torch's CPU argmax took 168 us a row of
+// Qwen2.5's 151,936 logits here (1 ms for an 8-row step); one AVX-512 pass takes a few tens.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat, "argmax_rows: fp32 (n, V) logits");
+  logits = logits.contiguous();
+  const int64_t n = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V >= 1, "argmax_rows: empty rows");
+  auto out = torch::empty({n}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* row = lp + i * V;
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      __m512i at = _mm512_set1_epi32(INT32_MAX);  // per lane: the first index of its largest value
+      __mmask16 nan = 0;
+      for (int64_t v = 0; v < V; v += 16) {
+        const __mmask16 m = tail_mask(V - v);
+        const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + v);
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(v)),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        nan |= _mm512_mask_cmp_ps_mask(m, x, x, _CMP_UNORD_Q);
+        // larger, or the lane's first value at all (a row of -inf still names its first index)
+        const __mmask16 take = _mm512_mask_cmp_ps_mask(m, x, best, _CMP_GT_OQ) |
+                               (_mm512_cmpeq_epi32_mask(at, _mm512_set1_epi32(INT32_MAX)) & m);
+        best = _mm512_mask_mov_ps(best, take, x);
+        at = _mm512_mask_mov_epi32(at, take, idx);
+        if (nan) break;
+      }
+      if (nan) {  // torch returns the first NaN
+        int64_t k = 0;
+        while (!std::isnan(row[k])) ++k;
+        op[i] = k;
+        continue;
+      }
+      const float top = _mm512_reduce_max_ps(best);
+      op[i] = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ), at);
+    }
+  });
+  return out;
+}

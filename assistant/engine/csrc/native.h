@@ -17,6 +17,7 @@ std::vector<torch::Tensor> head_pack(torch::Tensor w);
 std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor mean, torch::Tensor margin,
                                        torch::Tensor weight, torch::Tensor ws, c10::optional<torch::Tensor> bias,
                                        double z);
+torch::Tensor argmax_rows(torch::Tensor logits);
 // layer_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH,
