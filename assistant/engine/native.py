@@ -45,8 +45,11 @@ What followed: (1) the residual pass only where it pays (`down`, int8.py has the
 k-th of T tiles every T-th word group) instead of the first tile all of it: the memory stream then
 flows under every tile's multiply-adds. gate_up-shaped linear at 8 rows, 24 weight copies, alternating
 builds: 14.3-15.2 -> 12.6-13.2 ms (1 row unchanged, 9.8-10.9 ms); (3) the screened head runs its
-4-bit stream the same way, in chunks with shared prefetch. With all three: aggregate at 8 streams
-4.71-4.72x one stream's (step 36.4 ms at 8 streams against 22.4 ms at 1, forward 34.8 vs 21.8 ms).
+4-bit stream the same way, in chunks with shared prefetch; (4) greedy tokens come from a native argmax
+(csrc/lm_head.cpp `argmax_rows`: torch's took 1.1 ms for 8 rows of 151,936 logits). With all of them:
+aggregate at 8 streams 4.59-4.72x one stream's in three bench runs (engine step 36.4 ms at 8 streams
+against 22.4 ms at 1; the model's step curve 1.69-1.80x at 8 rows). Batch-1 decode gained as well,
+since a generated row's gate_up is now one GEMM row: 39 -> 43-46 tok/s, same run, alternating processes.
 Tried and dropped: prefetching attention's paged keys and values (no gain: cold attention at 8 rows
 x 300 keys, 9.0 vs 9.7 ms; it is bound by this core's misses in flight, ~7 GB/s, not by the order of
 the reads: a head-contiguous cache ran at the same bytes per second); a 16 KB prefetch distance or
