@@ -290,7 +290,8 @@ class AssistantConfig:
         if e.quantize not in ("auto", "none", "int8"):
             raise ConfigError(f"engine.quantize={e.quantize!r} is not valid: use auto, none or int8.")
         linears = ("qkv", "o", "gate_up", "down")  # engine/model.py LINEARS
-        if e.int8_residual.strip() != "all" and not {n.strip() for n in e.int8_residual.split(",") if n.strip()} <= set(linears):
+        named = {n.strip() for n in e.int8_residual.split(",") if n.strip()}
+        if e.int8_residual.strip() != "all" and not named <= set(linears):
             raise ConfigError(f"engine.int8_residual={e.int8_residual!r} is not valid: use a comma-separated list of "
                               f"{', '.join(linears)}, or all, or \"\" for none (default: down).")
         for name in ("kv_cache_mb", "block_size", "max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "max_waiting"):

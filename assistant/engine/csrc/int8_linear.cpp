@@ -10,19 +10,19 @@
 // `quantize` + torch._int_mm + `finish` (prefill) and `linear` (<= MAX_ROWS rows) both compute exactly this;
 // IEEE operations in a fixed order, built with -ffp-contract=off so no FMA can change a rounding.
 //
-// Design note: rows at the cost of one. A step with R decode rows (streams, speculated tokens) is R GEMM rows,
-// plus R residual rows on the linears that refine generated rows (int8.py: `down`). The weights are streamed from memory once per step whatever R is; the
-// multiply-adds grow with R. `vpdpbusd` takes unsigned bytes in its register operand and signed bytes in its
-// broadcastable memory operand, so the weights are stored as w + 128 (unsigned) and the activations stay
-// signed: (w + 128) . q = w . q + 128 sum(q), one correction per row instead of per output, and each row's
-// broadcast rides on the instruction (no register, no extra uop). A tile of TILE_ROWS rows x 64 outputs keeps
-// 24 accumulators and the 4 weight vectors in the 32 zmm registers (8 rows spilled: the old kernel's 8-row
+// Design note: rows at the cost of one. A step with R decode rows (streams, speculated tokens) is R GEMM rows, plus
+// R residual rows on the linears that refine generated rows (int8.py: `down`). The weights are streamed from memory
+// once per step whatever R is; the multiply-adds grow with R. `vpdpbusd` takes unsigned bytes in its register
+// operand and signed bytes in its broadcastable memory operand, so the weights are stored as w + 128 (unsigned) and
+// the activations stay signed: (w + 128) . q = w . q + 128 sum(q), one correction per row instead of per output, and
+// each row's broadcast rides on the instruction (no register, no extra uop). A tile of TILE_ROWS rows x 64 outputs
+// keeps 24 accumulators and the 4 weight vectors in the 32 zmm registers (8 rows spilled: the old kernel's 8-row
 // pass cost 2.3x its 4-row pass). Past one tile, a block's K runs in chunks of CHUNK words (8 KB of weights,
-// L1-resident): every tile passes over a chunk, its accumulators parked in an L1 buffer between chunks, and
-// each of a chunk's T tiles prefetches every T-th word group of the next chunk, so the memory stream keeps
-// flowing under all the tiles' multiply-adds instead of waiting for them pass by pass (the old kernel re-read a
-// whole block from L2 per 8-row pass; with the first tile prefetching the whole next chunk, the stream stalled
-// while the later tiles ran: gate_up at 8 rows 14.3-15.2 -> 12.6-13.2 ms, native.py).
+// L1-resident): every tile passes over a chunk, its accumulators parked in an L1 buffer between chunks, and each of
+// a chunk's T tiles prefetches every T-th word group of the next chunk, so the memory stream keeps flowing under all
+// the tiles' multiply-adds instead of waiting for them pass by pass (the old kernel re-read a whole block from L2
+// per 8-row pass; with the first tile prefetching the whole next chunk, the stream stalled while the later tiles
+// ran: gate_up at 8 rows 14.3-15.2 -> 12.6-13.2 ms, native.py).
 // Measured by bench/engine.py's step curve (native.py has the figures).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -95,7 +95,9 @@ void run_blocks(const Rows& rows, const uint8_t* packed, const int32_t* xb, int6
       const int64_t n = std::min(chunk, K4 - k0);
       int tile = 0;
       int8k::for_each_tile(rows.total, [&](int64_t r0, int64_t R) {
-        int8k::dispatch_rows(R, [&]<int T>() { tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, tile, tiles, acc + r0); });
+        int8k::dispatch_rows(R, [&]<int T>() {
+          tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, tile, tiles, acc + r0);
+        });
         ++tile;
       });
     }
