@@ -47,6 +47,19 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
+# a decoder layer's linears, in the order the engine's native layer stack takes them (engine/model.py)
+INT8_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def int8_residual_linears(setting: str) -> tuple[str, ...]:
+    """engine.int8_residual ("down", "qkv, down", "all", "" for none) -> the linears' names, checked."""
+    names = INT8_LINEARS if setting.strip() == "all" else tuple(n.strip() for n in setting.split(",") if n.strip())
+    if not set(names) <= set(INT8_LINEARS):
+        raise ConfigError(f"engine.int8_residual={setting!r} is not valid: use a comma-separated list of "
+                          f"{', '.join(INT8_LINEARS)}, or all, or \"\" for none (default: down).")
+    return names
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "qwen2.5-coder-0.5b"  # a name from `assistant models list`, a local HF dir, or a .gguf file
@@ -289,11 +302,7 @@ class AssistantConfig:
             raise ConfigError(f"engine.kv_dtype={e.kv_dtype!r} is not valid: use auto, float32 or bfloat16.")
         if e.quantize not in ("auto", "none", "int8"):
             raise ConfigError(f"engine.quantize={e.quantize!r} is not valid: use auto, none or int8.")
-        linears = ("qkv", "o", "gate_up", "down")  # engine/model.py LINEARS
-        named = {n.strip() for n in e.int8_residual.split(",") if n.strip()}
-        if e.int8_residual.strip() != "all" and not named <= set(linears):
-            raise ConfigError(f"engine.int8_residual={e.int8_residual!r} is not valid: use a comma-separated list of "
-                              f"{', '.join(linears)}, or all, or \"\" for none (default: down).")
+        int8_residual_linears(e.int8_residual)
         for name in ("kv_cache_mb", "block_size", "max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "max_waiting"):
             if getattr(e, name) < 1:
                 raise ConfigError(f"engine.{name}={getattr(e, name)} must be at least 1.")

@@ -66,6 +66,7 @@ IngestFiles = Callable[[str, Sequence[Attachment]], Iterator[TurnEvent]]  # (con
 
 log = logging.getLogger(__name__)
 
+
 class Orchestrator:
     def __init__(self, engine: Engine, store: Store, config: AssistantConfig, *, tools: ToolRegistry | None = None,
                  router: Router | None = None, options: AgentOptions | None = None, prefetch: Prefetch | None = None,

@@ -68,7 +68,7 @@ class Verdict:
     tap: Any = field(default=None, compare=False)
     # a check that waits to be started (InputGuard.check_beside): the orchestrator starts it once the
     # turn's own Python work is done and its model call is next, so the two do not queue for the GIL
-    begin: Callable[[], None] | None = field(default=None, compare=False)
+    begin: Callable[[], Any] | None = field(default=None, compare=False)
 
     def final(self) -> "Verdict":
         """This verdict, or the second opinion's when one is pending (waits for it)."""

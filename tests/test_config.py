@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from assistant.config import AssistantConfig
+from assistant.config import AssistantConfig, int8_residual_linears
 from assistant.errors import ConfigError
 
 
@@ -43,8 +43,10 @@ def test_bad_number_names_the_setting():
 
 
 def test_int8_residual_names_the_linears():
-    for good in ("down", "qkv, down", "all", ""):
+    for good, names in (("down", ("down",)), ("qkv, down", ("qkv", "down")), ("all", ("qkv", "o", "gate_up", "down")),
+                        ("", ())):
         assert AssistantConfig.load(overrides={"engine.int8_residual": good}).engine.int8_residual == good
+        assert int8_residual_linears(good) == names
     with pytest.raises(ConfigError, match=r"engine.int8_residual='down,mlp' is not valid.*qkv, o, gate_up, down"):
         AssistantConfig.load(overrides={"engine.int8_residual": "down,mlp"})
 

@@ -171,13 +171,9 @@ def test_a_linear_without_the_residual_pass_gives_generated_rows_one_pass(layer,
     assert torch.equal(lean(x[:6]), int8(x[:6]))  # without a RowSplit (lm_head rows) every row keeps the pass
 
 
-def test_residual_linears_are_named_and_checked():
-    assert model_module.residual_linears("down") == ("down",)
-    assert model_module.residual_linears(" qkv , down") == ("qkv", "down")
-    assert model_module.residual_linears("all") == model_module.LINEARS
-    assert model_module.residual_linears("") == ()
-    with pytest.raises(ValueError, match="unknown linears.*'mlp'.*qkv, o, gate_up, down"):
-        model_module.residual_linears("down,mlp")
+def test_a_transformer_refuses_residual_passes_on_linears_it_does_not_have():
+    with pytest.raises(ValueError, match=r"\['mlp'\]: not linears of a layer \(qkv, o, gate_up, down\)"):
+        model_module.Transformer(None, {}, quantize="int8", dtype=torch.float32, device="cpu", residual=("down", "mlp"))
 
 
 def test_native_kernel_pads_odd_shapes(monkeypatch):

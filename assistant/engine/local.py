@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
-from assistant.config import AssistantConfig, EngineConfig
+from assistant.config import AssistantConfig, EngineConfig, int8_residual_linears
 from assistant.engine.base import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -67,7 +67,7 @@ from assistant.engine.loading import (
     load_draft_model,
     load_model,
 )
-from assistant.engine.model import SeqBatch, Transformer, argmax, residual_linears
+from assistant.engine.model import SeqBatch, Transformer, argmax
 from assistant.engine.sampling import accept_greedy, accept_sampled, logits_to_probs, sample
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from assistant.engine.speculate import Speculator
@@ -147,7 +147,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         hf = loaded.model
         self._torch = torch
         self.quantize = resolve_quantize(config.quantize, loaded.device)
-        self.model = Transformer.from_hf(hf, quantize=self.quantize, residual=residual_linears(config.int8_residual))
+        residual = int8_residual_linears(config.int8_residual)
+        self.model = Transformer.from_hf(hf, quantize=self.quantize, residual=residual)
         self.eos_ids = eos_token_ids(hf, self.tokenizer)
         args = self.model.args
         kv_dtype = self.model.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
@@ -187,7 +188,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             return Speculator()
         check_same_vocabulary(self.tokenizer, draft.tokenizer, draft.name)
         model = Transformer.from_hf(draft.model, quantize=resolve_quantize(config.quantize, draft.device),
-                                    residual=residual_linears(config.int8_residual))
+                                    residual=int8_residual_linears(config.int8_residual))
         args = model.args
         if min(args.max_position, 32768) < self.context_window:
             raise ModelError(f"engine.draft_model {draft.name!r} reads {args.max_position} tokens of context, fewer "

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from assistant.config import INT8_LINEARS
 from assistant.engine.int8 import Linear, RowSplit
 from assistant.engine.native import int8_kernels
 
@@ -68,18 +69,8 @@ def unsupported_reason(hf_config: Any) -> str | None:
     return None
 
 
-LINEARS = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the order csrc/decode_stack.cpp takes them
+LINEARS = INT8_LINEARS  # a layer's linears, in the order csrc/decode_stack.cpp takes them
 RESIDUAL = ("down",)  # int8: the linears whose generated rows get the residual pass (int8.py says why these)
-
-
-def residual_linears(setting: str) -> tuple[str, ...]:
-    """engine.int8_residual ("down", "qkv,down", "all", "" for none) -> linear names, checked."""
-    names = LINEARS if setting.strip() == "all" else tuple(n.strip() for n in setting.split(",") if n.strip())
-    unknown = sorted(set(names) - set(LINEARS))
-    if unknown:
-        raise ValueError(f"engine.int8_residual: unknown linears {unknown}; use a comma-separated list of "
-                         f"{', '.join(LINEARS)}, or \"all\", or \"\" for none")
-    return names
 
 
 def argmax(logits: torch.Tensor) -> list[int]:
@@ -134,7 +125,10 @@ class Transformer:
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], *, quantize: str | None, dtype: torch.dtype,
                  device: Any, residual: Sequence[str] = RESIDUAL) -> None:
         self.args, self.dtype, self.device, self.quantize = args, dtype, device, quantize
-        self.residual = residual_linears(",".join(residual))
+        self.residual = tuple(residual)
+        if not set(self.residual) <= set(LINEARS):
+            raise ValueError(f"int8 residual pass on {sorted(set(self.residual) - set(LINEARS))}: not linears of a "
+                             f"layer ({', '.join(LINEARS)})")
         linear = lambda name, w, b: Linear(w, b, quantize, dtype, residual=name in self.residual)  # noqa: E731
         get = lambda name: state[name].to(device)  # noqa: E731
         opt = lambda name: state[name].to(device) if name in state else None  # noqa: E731
