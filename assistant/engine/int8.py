@@ -15,7 +15,8 @@ pass 0.954 (1/8); with the residual pass 0.980-0.989 (4-5/8); bf16 activations w
 `_weight_int8pack_mm` 0.974 (4/8). Which linears need it, measured on 24 prompts (794 decode rows,
 top-1 agreement with fp32 / mean KL(fp32 || int8) of the next-token distribution): every linear 0.975
 / 0.0032; all but gate_up 0.975 / 0.0036; **down only 0.977 / 0.0039**; qkv and down 0.974 / 0.0038; none
-0.966 / 0.0063. The pass pays off on `down`, whose input (SwiGLU's output) has the outlier channels
+0.966 / 0.0063. Those prompts chose `down`; on 24 other prompts held back until then (773 rows): every
+linear 0.973 / 0.0030, down only 0.972 / 0.0037, none 0.959 / 0.0064. The pass pays off on `down`, whose input (SwiGLU's output) has the outlier channels
 that set a row's scale; elsewhere it buys little. A pass costs nothing in a 1-row step (bound by the
 weight bytes) but a GEMM row in a step of several rows (bound by multiply-adds, below), and gate_up
 alone is 58% of a layer's multiply-adds: with `down` only, a generated row is 1.29 GEMM rows instead
