@@ -75,10 +75,12 @@ class EngineConfig:
     remote_api_key: str = ""  # bearer token for remote_url, if the server wants one
     remote_model: str = ""  # model name served at remote_url; "" = the first one the server lists
     quantize: str = "auto"  # weights: "auto" (int8 on CPU, none on CUDA), "none", "int8" (weight-only, per channel)
-    # int8 on CPU: the linears whose generated rows also multiply their activations' rounding residual
-    # (comma-separated from qkv, o, gate_up, down, or "all"; "" = none). Each costs multiply-adds in steps of
-    # several rows; engine/int8.py has the measured quality of each choice
+    # int8 on CPU: the linears that refine generated rows beyond one int8 pass over their activations
+    # (comma-separated from qkv, o, gate_up, down, or "all"; "" = none); engine/int8.py has the measured quality
     int8_residual: str = "down"
+    # ... by keeping each row's N largest activations exact (fp32) and quantizing the rest more finely (0 to 32;
+    # nearly free at any batch), or with 0 by a second pass over the rounding residual (a GEMM row per row)
+    int8_outliers: int = 16
     kv_cache_mb: int = 1024  # memory for the paged KV cache; bounds concurrent context tokens
     # what the KV cache stores: "auto" (the model's dtype), "float32" or "bfloat16" (half the bytes attention
     # reads and twice the tokens in kv_cache_mb; engine/native.py has the measured agreement and speed)
@@ -303,6 +305,8 @@ class AssistantConfig:
         if e.quantize not in ("auto", "none", "int8"):
             raise ConfigError(f"engine.quantize={e.quantize!r} is not valid: use auto, none or int8.")
         int8_residual_linears(e.int8_residual)
+        if not 0 <= e.int8_outliers <= 32:
+            raise ConfigError(f"engine.int8_outliers={e.int8_outliers} must be 0 to 32 (0 = the residual pass).")
         for name in ("kv_cache_mb", "block_size", "max_num_seqs", "max_batched_tokens", "max_prefill_chunk", "max_waiting"):
             if getattr(e, name) < 1:
                 raise ConfigError(f"engine.{name}={getattr(e, name)} must be at least 1.")

@@ -51,6 +51,14 @@ def test_int8_residual_names_the_linears():
         AssistantConfig.load(overrides={"engine.int8_residual": "down,mlp"})
 
 
+def test_int8_outliers_is_a_channel_count():
+    assert AssistantConfig.load(env={}).engine.int8_outliers == 16
+    assert AssistantConfig.load(overrides={"engine.int8_outliers": 0}).engine.int8_outliers == 0
+    for bad in (-1, 33):
+        with pytest.raises(ConfigError, match=r"engine.int8_outliers=.* must be 0 to 32 \(0 = the residual pass\)"):
+            AssistantConfig.load(overrides={"engine.int8_outliers": bad})
+
+
 def test_unknown_setting_lists_known_ones(tmp_path):
     toml = tmp_path / "b.toml"
     toml.write_text("[engine]\nmodle = 'small'\n")

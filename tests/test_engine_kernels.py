@@ -171,6 +171,62 @@ def test_a_linear_without_the_residual_pass_gives_generated_rows_one_pass(layer,
     assert torch.equal(lean(x[:6]), int8(x[:6]))  # without a RowSplit (lm_head rows) every row keeps the pass
 
 
+def test_outlier_rows_keep_their_largest_channels_exact(layer):
+    """Linear.outliers (the default refinement of generated rows on `down`): a refined row's m largest |x|
+    are left out of its int8 pass and added through the int8 weights' columns in fp32, so a row whose
+    range is set by a few outlier channels gets near the residual pass's accuracy with no extra GEMM row."""
+    weight, bias, int8 = layer
+    w8 = int8.weight.float() * (weight.abs().amax(dim=1, keepdim=True) / 127.0)  # the int8 weights, dequantized
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5))
+    x[:, [7, 66, 129]] *= 200  # three outlier channels at every k % 4
+    x[:, 200] *= 30
+    weight_only = x @ w8.t() + bias  # int8 weights with exact activations
+    err = lambda y: ((y - weight_only).abs().max() / weight_only.abs().max()).item()  # noqa: E731
+    residual = int8(x)
+    int8.outliers = 4
+    outliers = int8(x)  # every row refined (no RowSplit)
+    assert err(outliers) < 3 * err(residual) and err(outliers) * 50 < err(one_pass(int8, x))
+    sparse = torch.zeros(3, 256)  # nothing but outliers: the output is their exact fp32 sum
+    sparse[0, [1, 2, 3, 4]] = torch.tensor([3.0, -2.0, 0.5, 7.0])
+    sparse[1, [255, 128, 64]] = torch.tensor([-1.5, 2.5, 4.0])
+    sparse[2, 10] = 1.0
+    assert torch.allclose(int8(sparse), sparse @ w8.t() + bias, rtol=1e-6, atol=1e-6)
+
+
+def test_outlier_rows_are_the_same_alone_batched_mixed_and_past_the_fused_kernel(layer):
+    weight, bias, int8 = layer
+    int8.outliers = 8
+    n = small_step_rows(int8) + 6  # native: more rows than `linear` takes (quantize, torch._int_mm, finish)
+    x = torch.randn(n, 256) * 2
+    x[:, 5] *= 100
+    x[1] = 1.0  # all ties: the lowest channels are the outliers
+    x[2, :40] = -3.0
+    generated = torch.rand(n, generator=torch.Generator().manual_seed(1)) < 0.6
+    generated[:3] = True
+    rows = RowSplit.from_mask(~generated)
+    big = int8(x, rows)
+    assert torch.equal(big[rows.prompt], one_pass(int8, x[rows.prompt]))
+    for i in range(n):
+        alone = RowSplit.from_mask(~generated[i:i + 1])
+        assert torch.equal(int8(x[i:i + 1].clone(), alone), big[i:i + 1]), i
+    torch_ops = Linear(weight, bias, "int8", torch.float32, outliers=8)  # the same arithmetic in PyTorch ops
+    torch_ops.native = torch_ops.packed = torch_ops.exact = None
+    want = torch_ops._int8(x[:4], torch.arange(4)) + bias
+    assert torch.equal(int8(x[:4]), want)
+
+
+def test_outliers_refine_only_linears_that_refine(layer, weights, monkeypatch):
+    weight, bias, int8 = layer
+    lean = make_linear(weight, bias, "native" if int8.native is not None else "fbgemm", monkeypatch)
+    lean.residual, lean.outliers = False, 8
+    x = torch.randn(5, 256)
+    x[:, 3] *= 100
+    generated = RowSplit.from_mask(torch.zeros(5, dtype=torch.bool))
+    assert torch.equal(lean(x, generated), one_pass(int8, x))
+    with pytest.raises(ValueError, match="0 to 32 channels"):
+        Linear(weight, bias, "int8", torch.float32, outliers=33)
+
+
 def test_a_transformer_refuses_residual_passes_on_linears_it_does_not_have():
     with pytest.raises(ValueError, match=r"\['mlp'\]: not linears of a layer \(qkv, o, gate_up, down\)"):
         model_module.Transformer(None, {}, quantize="int8", dtype=torch.float32, device="cpu", residual=("down", "mlp"))

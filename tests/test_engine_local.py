@@ -268,13 +268,16 @@ def test_greedy_rows_get_the_full_heads_argmax(tiny_config):
             tokens, start = [int(full.argmax())], end
 
 
-@pytest.mark.parametrize("kv_dtype,residual", [("float32", ("down",)), ("bfloat16", ("down",)),
-                                               ("float32", ("qkv", "o", "gate_up", "down")), ("float32", ())])
-def test_native_layer_stack_equals_the_python_layer_loop(tiny_config, kv_dtype, residual):
+@pytest.mark.parametrize("kv_dtype,residual,outliers", [
+    ("float32", ("down",), 16), ("bfloat16", ("down",), 16), ("float32", ("down",), 0),
+    ("float32", ("qkv", "o", "gate_up", "down"), 0), ("float32", ("qkv", "o", "gate_up", "down"), 4),
+    ("float32", (), 16)])
+def test_native_layer_stack_equals_the_python_layer_loop(tiny_config, kv_dtype, residual, outliers):
     """csrc/decode_stack.cpp runs a natively attending step's layers in one call: its outputs (and the
     keys and values it writes) must be bit-identical to model.py's layer loop over the same kernels,
     for a prompt chunk, and for a step that decodes one sequence while another takes a small chunk,
-    with a float32 or a bfloat16 KV cache, and whichever linears give generated rows the residual pass."""
+    with a float32 or a bfloat16 KV cache, whichever linears refine generated rows, and however (outlier
+    channels or the residual pass)."""
     import torch
 
     from assistant.engine import native
@@ -284,8 +287,9 @@ def test_native_layer_stack_equals_the_python_layer_loop(tiny_config, kv_dtype, 
 
     if native.unavailable_reason() is not None:
         pytest.skip(f"native kernels: {native.unavailable_reason()}")
-    lean = Transformer.from_hf(load_model(tiny_config).model, quantize="int8", residual=residual)
+    lean = Transformer.from_hf(load_model(tiny_config).model, quantize="int8", residual=residual, outliers=outliers)
     assert [n for n in ("qkv", "o", "gate_up", "down") if lean.layers[0][n].residual] == list(residual)
+    assert {lean.layers[0][n].outliers for n in ("qkv", "o", "gate_up", "down")} == {outliers}
     stack = lean.stack
     assert stack is not None
     a = lean.args

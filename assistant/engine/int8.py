@@ -25,6 +25,18 @@ Tried instead of the pass on `down`, same 24 prompts: SmoothQuant-style channel 
 1,024 tokens of other text, folded into up_proj's rows and down_proj's columns) with no pass: 0.958 /
 0.0084 at alpha 0.5, worse than no pass at all (down's weights then lose what its activations gain);
 on every linear 0.972 / 0.0066.
+**Outlier channels instead of the residual pass** (`outliers`, `engine.int8_outliers`, default 16 on the
+refining linears): a generated row's m largest |x| are left out of its int8 pass, so the rest is quantized at
+the finer step they leave, and are added back in fp32 through the int8 weights' columns (read from the packed
+block the GEMM has just streamed: csrc/int8_common.h), as LLM.int8() does. No extra GEMM row, so a generated row
+costs 1 GEMM row, not 1.29. Same 24 prompts (794 rows), residual pass on `down` 0.977 / 0.00385; outliers on
+`down` m = 4: 0.975 / 0.00431, **m = 8: 0.979 / 0.00398, m = 16: 0.972 / 0.00391**, m = 32: 0.969 / 0.00386 (KL
+falls with m; top-1 moves by a few rows either way). On every linear (m = 8: 0.975 / 0.00352, m = 16: 0.975 /
+0.00333) it is more accurate still. Held-back check (the other 24 prompts, 773 rows, run once after the
+choice): residual pass on `down` 0.972 / 0.0037, 16 outliers on `down` 0.968 / 0.0039 (8: 0.969 / 0.0039), one
+pass 0.959 / 0.0064: the outliers keep ~92% of what the residual pass buys. On every linear the fp32
+column sums would cost ~3 ms of an 8-row step (gate_up's 9,728 outputs), so only `down` refines. Decode only, same run, alternating engines: 8 streams 4.41-4.50x one stream's
+with the residual pass, 4.92-4.99x with 16 outliers; 8-row step 1.91x -> 1.73x a 1-row step.
 (Single answers are no measure: `assistant chat` answers "What is 2+2?" with 4 or 6 depending on
 rounding details, and fp32 itself only repeats the question.) Prompt tokens keep one pass: prefill is
 compute-bound, and only a prompt's last token is sampled (its lm_head row gets the pass).
@@ -80,6 +92,7 @@ from assistant.engine.native import int8_kernels
 
 EXACT_K = 1024  # exact_int_mm's K-slice: 127 * 127 * EXACT_K < 2**24, the last integer fp32 holds exactly
 FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the module docstring)
+MAX_OUTLIERS = 32  # outlier channels a refined row may keep (csrc/int8_common.h)
 SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard deviations (csrc/lm_head.cpp)
 
 
@@ -87,10 +100,13 @@ class Linear:
     """y = x @ W.T + b, with W kept as fp32/bf16 or as per-channel int8 + scales."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype,
-                 *, residual: bool = True):
+                 *, residual: bool = True, outliers: int = 0):
         self.bias = None if bias is None else bias.to(dtype)
         self.int8 = quantize == "int8"
-        self.residual = residual  # generated rows get the residual pass here (False: one pass for every row)
+        self.residual = residual  # generated rows are refined here (False: one pass for every row)
+        if not 0 <= outliers <= MAX_OUTLIERS:
+            raise ValueError(f"int8 outliers: 0 to {MAX_OUTLIERS} channels, not {outliers}")
+        self.outliers = outliers  # refined rows keep this many channels exact; 0: they get the residual pass
         self.packed = self.native = self.screen = self.exact = None
         self.screened_rows = self.screened_candidates = 0  # statistics of `greedy_logits`
         if self.int8:
@@ -131,8 +147,11 @@ class Linear:
 
     def _int8(self, x: torch.Tensor, refine: "torch.Tensor | slice | None") -> torch.Tensor:
         """Per-row int8 activations; the rows in `refine` (all of them: slice(None)) also get their
-        quantization residual, at 1/254 of the row's step, as extra rows of the same GEMM (module
-        docstring). Every op costs microseconds on a decode step's few rows: fewest ops wins."""
+        quantization residual, at 1/254 of the row's step, as extra rows of the same GEMM, or with
+        `outliers` keep their largest channels exact (module docstring). Every op costs microseconds on a
+        decode step's few rows: fewest ops wins."""
+        if refine is not None and self.outliers:
+            return self._int8_outliers(x, torch.arange(x.size(0))[refine])
         n = x.size(0)
         x_scale = x.float().abs().amax(dim=1, keepdim=True).clamp_min_(1e-8).div_(127.0)  # (n, 1)
         u = torch.div(x, x_scale)  # in [-127, 127]
@@ -160,14 +179,36 @@ class Linear:
             y = acc[:n].index_add_(0, refine, acc[n:], alpha=1 / 254.0)
         return y.mul_(x_scale).to(x.dtype)  # then each row's own scale
 
+    def _int8_outliers(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`_int8` where the rows `rows` keep their `outliers` largest |x| channels exact: those are zeroed
+        before the rows are quantized (so they no longer set the row's scale) and added back in fp32
+        through the int8 weights' columns, summed in ascending channel order (as csrc/int8_common.h)."""
+        picked = x[rows].float()
+        order = picked.abs().sort(dim=1, descending=True, stable=True).indices  # ties: the lower channel first
+        idx = order[:, :self.outliers].sort(dim=1).values  # (R, m)
+        vals = picked.gather(1, idx)
+        rest = x.clone()
+        rest[rows] = picked.scatter(1, idx, 0.0).to(x.dtype)
+        y = self._int8(rest, None)
+        columns = self.weight.t()[idx].float()  # (R, m, N)
+        sums = torch.zeros(rows.numel(), self.weight.size(0))
+        for k in range(idx.size(1)):
+            sums += vals[:, k:k + 1] * columns[:, k]
+        y[rows] += (sums * self.scale).to(y.dtype)
+        return y
+
     def _native(self, x: torch.Tensor, rows: "RowSplit | None") -> torch.Tensor:
         """The fused kernel for up to its MAX_ROWS GEMM rows, else torch._int_mm between the kernel's own
         quantization and epilogue: the same arithmetic, so the same row either way."""
         refine, refined = (rows.refine, rows.num_refined) if rows is not None else (all_rows(x.size(0)), x.size(0))
-        if x.size(0) + refined <= self.native.MAX_ROWS:
-            return self.native.linear(x, self.vnni, self.scale, self.bias, refine)
-        xq, x_scale = self.native.quantize(x, refine)
-        return self.native.finish(torch._int_mm(xq, self.weight.t()), self.scale, x_scale, refine, self.bias)
+        outliers = self.outliers if refined else 0
+        if x.size(0) + (0 if outliers else refined) <= self.native.MAX_ROWS:
+            return self.native.linear(x, self.vnni, self.scale, self.bias, refine, outliers)
+        q = self.native.quantize(x, refine, outliers)
+        acc = torch._int_mm(q[0], self.weight.t())
+        if outliers:
+            return self.native.finish(acc, self.scale, q[1], refine, self.bias, self.vnni, q[2], q[3])
+        return self.native.finish(acc, self.scale, q[1], refine, self.bias, None, None, None)
 
     def prepare_greedy(self) -> None:
         """Pack the 4-bit screening copy for `greedy_logits` (native int8 only; +half the int8 bytes)."""
@@ -257,7 +298,7 @@ def fbgemm_matches_int_mm() -> bool:
     weight[0] = 127
     scale = torch.rand(48, generator=gen) / 100 + 1e-4
     probe = Linear.__new__(Linear)
-    probe.bias, probe.int8, probe.weight, probe.scale, probe.exact = None, True, weight, scale, None
+    probe.bias, probe.int8, probe.weight, probe.scale, probe.exact, probe.outliers = None, True, weight, scale, None, 0
     try:
         probe.packed = fbgemm_pack(weight, scale)
     except Exception:  # noqa: BLE001 - an fbgemm that cannot pack here is an fbgemm we do not use

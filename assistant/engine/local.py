@@ -148,7 +148,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         self._torch = torch
         self.quantize = resolve_quantize(config.quantize, loaded.device)
         residual = int8_residual_linears(config.int8_residual)
-        self.model = Transformer.from_hf(hf, quantize=self.quantize, residual=residual)
+        self.model = Transformer.from_hf(hf, quantize=self.quantize, residual=residual, outliers=config.int8_outliers)
         self.eos_ids = eos_token_ids(hf, self.tokenizer)
         args = self.model.args
         kv_dtype = self.model.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
@@ -188,7 +188,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             return Speculator()
         check_same_vocabulary(self.tokenizer, draft.tokenizer, draft.name)
         model = Transformer.from_hf(draft.model, quantize=resolve_quantize(config.quantize, draft.device),
-                                    residual=int8_residual_linears(config.int8_residual))
+                                    residual=int8_residual_linears(config.int8_residual), outliers=config.int8_outliers)
         args = model.args
         if min(args.max_position, 32768) < self.context_window:
             raise ModelError(f"engine.draft_model {draft.name!r} reads {args.max_position} tokens of context, fewer "

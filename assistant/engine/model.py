@@ -70,7 +70,8 @@ def unsupported_reason(hf_config: Any) -> str | None:
 
 
 LINEARS = INT8_LINEARS  # a layer's linears, in the order csrc/decode_stack.cpp takes them
-RESIDUAL = ("down",)  # int8: the linears whose generated rows get the residual pass (int8.py says why these)
+RESIDUAL = ("down",)  # int8: the linears that refine generated rows (int8.py says why these)
+OUTLIERS = 16  # int8: ... by keeping so many channels exact (0: by the residual pass; int8.py has the quality)
 
 
 def argmax(logits: torch.Tensor) -> list[int]:
@@ -123,13 +124,14 @@ class SeqBatch:
 
 class Transformer:
     def __init__(self, args: ModelArgs, state: dict[str, torch.Tensor], *, quantize: str | None, dtype: torch.dtype,
-                 device: Any, residual: Sequence[str] = RESIDUAL) -> None:
+                 device: Any, residual: Sequence[str] = RESIDUAL, outliers: int = OUTLIERS) -> None:
         self.args, self.dtype, self.device, self.quantize = args, dtype, device, quantize
-        self.residual = tuple(residual)
+        self.residual, self.outliers = tuple(residual), outliers
         if not set(self.residual) <= set(LINEARS):
             raise ValueError(f"int8 residual pass on {sorted(set(self.residual) - set(LINEARS))}: not linears of a "
                              f"layer ({', '.join(LINEARS)})")
-        linear = lambda name, w, b: Linear(w, b, quantize, dtype, residual=name in self.residual)  # noqa: E731
+        linear = lambda name, w, b: Linear(w, b, quantize, dtype, residual=name in self.residual,  # noqa: E731
+                                           outliers=outliers)
         get = lambda name: state[name].to(device)  # noqa: E731
         opt = lambda name: state[name].to(device) if name in state else None  # noqa: E731
         self.embed = get("model.embed_tokens.weight").to(dtype)  # (V, D)
@@ -174,15 +176,16 @@ class Transformer:
             self._stacks[first, end] = self.ops.DecodeStack([[layer["attn_norm"], layer["mlp_norm"],
                                                               *(t for n in LINEARS for t in tensors(layer[n]))]
                                                              for layer in self.layers[first:end]],
-                                                            [n in self.residual for n in LINEARS])
+                                                            [n in self.residual for n in LINEARS], self.outliers)
         return self._stacks[first, end]
 
     @classmethod
-    def from_hf(cls, hf_model: Any, *, quantize: str | None = None, residual: Sequence[str] = RESIDUAL) -> "Transformer":
+    def from_hf(cls, hf_model: Any, *, quantize: str | None = None, residual: Sequence[str] = RESIDUAL,
+                outliers: int = OUTLIERS) -> "Transformer":
         args = ModelArgs.from_hf_config(hf_model.config)
         param = next(hf_model.parameters())
         return cls(args, dict(hf_model.state_dict()), quantize=quantize, dtype=param.dtype, device=param.device,
-                   residual=residual)
+                   residual=residual, outliers=outliers)
 
     def decode_bytes(self) -> int:
         """Weight bytes one greedy decode step reads: every linear, the lm_head through its 4-bit screen

@@ -19,15 +19,17 @@ struct Refine {  // a step's generated rows (int8.py RowSplit): their residual-p
 struct Int8Linear {  // int8.py Linear with the native kernel: VNNI layout, correction, scales, int8 rows, bias
   torch::Tensor packed, ws, weight;
   c10::optional<torch::Tensor> bias;
-  bool residual;  // Linear.residual: generated rows get the residual pass
+  bool residual;     // Linear.residual: generated rows are refined here
+  int64_t outliers;  // Linear.outliers: refined by keeping this many channels exact (0: by a residual row)
 
   // Linear._native: the fused kernel up to MAX_ROWS GEMM rows, else quantize + torch._int_mm + finish
   torch::Tensor operator()(const torch::Tensor& x, const Refine& rows) const {
     const torch::Tensor& refine = residual ? rows.mask : rows.none;
-    const int64_t refined = residual ? rows.count : 0;
-    if (x.size(0) + refined <= int8k::MAX_ROWS) return linear(x, packed, ws, bias, refine);
-    auto q = quantize(x, refine);
-    return finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias);
+    const int64_t extra = residual && !outliers ? rows.count : 0;  // residual rows
+    if (x.size(0) + extra <= int8k::MAX_ROWS) return linear(x, packed, ws, bias, refine, outliers);
+    auto q = quantize(x, refine, outliers);
+    return outliers ? finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias, packed, q[2], q[3])
+                    : finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias, c10::nullopt, c10::nullopt, c10::nullopt);
   }
 };
 
@@ -39,14 +41,14 @@ struct Layer {
 class DecodeStack {
  public:
   // per layer: attn_norm, mlp_norm, then (packed, scale, weight, bias or an empty tensor) for qkv, o, gate_up,
-  // down; residual: which of the four give generated rows the residual pass (Linear.residual)
-  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, const std::vector<bool>& residual) {
+  // down; residual: which of the four refine generated rows (Linear.residual), outliers: how (Linear.outliers)
+  DecodeStack(const std::vector<std::vector<torch::Tensor>>& layers, const std::vector<bool>& residual, int64_t outliers) {
     TORCH_CHECK(residual.size() == 4, "DecodeStack: a residual flag per linear (qkv, o, gate_up, down)");
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 18, "DecodeStack: 18 tensors per layer");
       auto lin = [&](size_t i) {
         return Int8Linear{t[i], t[i + 1], t[i + 2], t[i + 3].numel() ? c10::optional<torch::Tensor>(t[i + 3]) : c10::nullopt,
-                          residual[(i - 2) / 4]};
+                          residual[(i - 2) / 4], outliers};
       };
       layers_.push_back(Layer{t[0], t[1], lin(2), lin(6), lin(10), lin(14)});
     }
@@ -79,7 +81,7 @@ class DecodeStack {
 
 void register_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, const std::vector<bool>&>())
+      .def(pybind11::init<const std::vector<std::vector<torch::Tensor>>&, const std::vector<bool>&, int64_t>())
       .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "every decoder layer of a natively attending step (model.py Transformer.forward's loop)");
 }

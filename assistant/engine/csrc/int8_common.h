@@ -48,11 +48,73 @@ inline RowSums quantize_row(const float* x, int64_t K, float* scale_out, int8_t*
   return {_mm512_reduce_add_epi32(sq), _mm512_reduce_add_epi32(sr)};
 }
 
-// y[0:16] for one row from int32 accumulators (a1 == nullptr: one-pass row).
-inline __m512 epilogue16(__m512i a0, const __m512i* a1, __m512 ws, __m512 s, const float* bias, __mmask16 m) {
+// A generated row's outlier channels (int8.py `Linear.outliers`): the n largest |x| of the row, in ascending index
+// order, kept in fp32 and left out of its int8 quantization.
+constexpr int MAX_OUTLIERS = 32;
+struct Outliers {
+  int n = 0;
+  int32_t idx[MAX_OUTLIERS];
+  float val[MAX_OUTLIERS];
+};
+
+// The min(m, K) largest |x| of a row (ties: the lower index; NaN never), then sorted by index, and the row with them
+// zeroed in `rest`. One vector compare per 16 inputs against the current m-th largest; only a lane above it is
+// inserted by hand (a few dozen of a row's thousands).
+inline void take_outliers(const float* x, int64_t K, int m, Outliers* out, float* rest) {
+  m = static_cast<int>(std::min<int64_t>(m, K));
+  float top[MAX_OUTLIERS];
+  int n = 0;
+  float floor = -1.f;  // |x| a lane must exceed to enter (the m-th largest once m are in)
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 tm = tail_mask(K - k);
+    const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(tm, x + k));
+    _mm512_mask_storeu_ps(rest + k, tm, _mm512_maskz_loadu_ps(tm, x + k));
+    uint32_t hits = _mm512_mask_cmp_ps_mask(tm, v, _mm512_set1_ps(floor), _CMP_GT_OQ);
+    while (hits) {
+      const int lane = __builtin_ctz(hits);
+      hits &= hits - 1;
+      const float a = std::fabs(x[k + lane]);
+      if (!(a > floor)) continue;  // the floor rose since the compare
+      int p = n < m ? n++ : m - 1;  // the slot it takes: a new one, or the smallest's
+      while (p > 0 && a > top[p - 1]) {  // strictly larger moves up: an equal earlier index stays ahead
+        top[p] = top[p - 1];
+        out->idx[p] = out->idx[p - 1];
+        --p;
+      }
+      top[p] = a;
+      out->idx[p] = static_cast<int32_t>(k + lane);
+      if (n == m) floor = top[m - 1];
+    }
+  }
+  std::sort(out->idx, out->idx + n);
+  for (int i = 0; i < n; ++i) {
+    out->val[i] = x[out->idx[i]];
+    rest[out->idx[i]] = 0.f;
+  }
+  out->n = n;
+}
+
+// sum_i val_i * w[col][idx_i] for the 16 outputs of word lane group j (0..3) of one VNNI block (w + 128 as u8,
+// (K4, 64, 4) bytes: input k of output o at (k / 4) * 256 + o * 4 + k % 4), in the outliers' order.
+inline __m512 outlier_sums16(const uint8_t* block, const Outliers& o, int j) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < o.n; ++i) {
+    const int32_t k = o.idx[i];
+    const __m512i words = _mm512_loadu_si512(block + (k / 4) * 256 + 64 * j);
+    const __m512i w = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(words, 8 * (k % 4)), _mm512_set1_epi32(0xFF)),
+                                       _mm512_set1_epi32(128));
+    sum = _mm512_add_ps(sum, _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(o.val[i])));
+  }
+  return sum;
+}
+
+// y[0:16] for one row from int32 accumulators (a1 == nullptr: one-pass row; outl: the row's outlier sums, or null).
+inline __m512 epilogue16(__m512i a0, const __m512i* a1, __m512 ws, __m512 s, const float* bias, __mmask16 m,
+                         const __m512* outl = nullptr) {
   __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(a0), ws);
   if (a1) y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(*a1), ws), _mm512_set1_ps(RESIDUAL_STEP)));
   y = _mm512_mul_ps(y, s);
+  if (outl) y = _mm512_add_ps(y, _mm512_mul_ps(*outl, ws));
   if (bias) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, bias));
   return y;
 }

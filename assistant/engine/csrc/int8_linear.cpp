@@ -7,6 +7,8 @@
 //   r      = round_half_even((u - q) * 254)                 residual, for rows that get the second pass
 //   a0, a1 = exact int32 dot products of q, r with the int8 weight row
 //   y      = ((float(a0) * ws) + (float(a1) * ws) * (1/254)) * s + bias     (one-pass rows: float(a0) * ws * s + bias)
+//   outlier rows: x's m largest |x| (ties: the lower index) are zeroed before s, q are taken; o = their fp32 sum
+//   through the int8 weights, in ascending index order; y = (float(a0) * ws) * s + o * ws + bias
 // `quantize` + torch._int_mm + `finish` (prefill) and `linear` (<= MAX_ROWS rows) both compute exactly this;
 // IEEE operations in a fixed order, built with -ffp-contract=off so no FMA can change a rounding.
 //
@@ -23,6 +25,10 @@
 // the tiles' multiply-adds instead of waiting for them pass by pass (the old kernel re-read a whole block from L2
 // per 8-row pass; with the first tile prefetching the whole next chunk, the stream stalled while the later tiles
 // ran: gate_up at 8 rows 14.3-15.2 -> 12.6-13.2 ms, native.py).
+// Outlier rows (int8.py `Linear.outliers`, the default refinement on `down`) need no extra GEMM row: a refined
+// row's m largest |x| are zeroed before its quantization (take_outliers: one vector compare per 16 inputs against
+// the m-th largest so far) and their fp32 sum through the block's int8 columns is added in the epilogue, read from
+// the same packed block the GEMM has just streamed (L1/L2), byte k % 4 of each output's word.
 // Measured by bench/engine.py's step curve (native.py has the figures).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -43,6 +49,7 @@ using int8k::quantize_row;
 using int8k::tail_mask;
 
 constexpr int64_t PREFETCH = 8192;  // bytes ahead of the weight stream (measured: 4-8 KB best here)
+constexpr int64_t QUANTIZE_GRAIN = 4;  // rows per thread when a step's rows are quantized in parallel
 constexpr int64_t CHUNK = 32;       // K words per chunk when a block takes several tiles: 8 KB of weights
 
 // Rows r0 .. r0 + R over K words [k0, k0 + n) of one block (w: the block's packed bytes): accumulators read
@@ -80,6 +87,8 @@ struct Rows {
   int64_t n;                  // activation rows
   std::vector<int64_t> res;   // res[i]: index of row i's residual row among the GEMM rows, or -1
   int64_t total;              // GEMM rows: activation rows + residual rows
+  int outliers;               // > 0: refined rows keep this many outlier channels instead of a residual row
+  std::vector<int8k::Outliers> outl;  // per row (n == 0: none)
 };
 
 // Every GEMM row over blocks [b0, b1) of 64 outputs (see the design note), then the epilogue of each activation
@@ -105,6 +114,7 @@ void run_blocks(const Rows& rows, const uint8_t* packed, const int32_t* xb, int6
       const __m512 s = _mm512_set1_ps(xscale[i]);
       const bool two_pass = rows.res[i] >= 0;
       const __m512i c0 = _mm512_set1_epi32(corr[i]), c1 = _mm512_set1_epi32(two_pass ? corr[rows.res[i]] : 0);
+      const int8k::Outliers* outl = rows.outliers && rows.outl[i].n ? &rows.outl[i] : nullptr;
       for (int j = 0; j < 4; ++j) {
         const int64_t col = b * BLOCK + 16 * j;
         if (col >= N) break;
@@ -112,20 +122,41 @@ void run_blocks(const Rows& rows, const uint8_t* packed, const int32_t* xb, int6
         const __m512 ws16 = _mm512_maskz_loadu_ps(m, ws + col);
         const __m512i a1 = two_pass ? _mm512_sub_epi32(_mm512_load_si512(acc[rows.res[i]] + 16 * j), c1)
                                     : _mm512_setzero_si512();
+        const __m512 o = outl ? int8k::outlier_sums16(wb, *outl, j) : _mm512_setzero_ps();
         const __m512 y = epilogue16(_mm512_sub_epi32(_mm512_load_si512(acc[i] + 16 * j), c0), two_pass ? &a1 : nullptr,
-                                    ws16, s, bias ? bias + col : nullptr, m);
+                                    ws16, s, bias ? bias + col : nullptr, m, outl ? &o : nullptr);
         _mm512_mask_storeu_ps(out + i * N + col, m, y);
       }
     }
   }
 }
 
-Rows make_rows(const torch::Tensor& refine, int64_t n) {  // refine: bool (n,) rows that get the residual pass
-  Rows rows{n, std::vector<int64_t>(n, -1), n};
+// refine: bool (n,), the rows refined: by a residual row (outliers == 0) or by keeping `outliers` channels exact
+Rows make_rows(const torch::Tensor& refine, int64_t n, int64_t outliers) {
+  TORCH_CHECK(outliers >= 0 && outliers <= int8k::MAX_OUTLIERS, "at most ", int8k::MAX_OUTLIERS, " outlier channels");
+  Rows rows{n, std::vector<int64_t>(n, -1), n, static_cast<int>(outliers), {}};
+  if (outliers) rows.outl.resize(n);
   const bool* rp = refine.data_ptr<bool>();
   for (int64_t i = 0; i < n; ++i)
-    if (rp[i]) rows.res[i] = rows.total++;
+    if (rp[i] && !outliers) rows.res[i] = rows.total++;
   return rows;
+}
+
+// Row i of x (K floats) into its int8 GEMM row q, and its residual row r or its outliers (rows.outl[i]) when
+// refined; corr (when given) gets 128 * each GEMM row's byte sum.
+void quantize_into(Rows& rows, const bool* refine, const float* x, int64_t K, int64_t i, float* scale, int8_t* q,
+                   int8_t* r, int32_t* corr) {
+  if (rows.outliers && refine[i]) {
+    thread_local std::vector<float> rest;
+    rest.resize(std::max<size_t>(rest.size(), K));
+    int8k::take_outliers(x, K, rows.outliers, &rows.outl[i], rest.data());
+    const int32_t sum = quantize_row(rest.data(), K, scale, q, nullptr).q;
+    if (corr) corr[i] = 128 * sum;
+    return;
+  }
+  const int8k::RowSums sums = quantize_row(x, K, scale, q, rows.res[i] >= 0 ? r : nullptr);
+  if (corr) corr[i] = 128 * sums.q;
+  if (corr && rows.res[i] >= 0) corr[rows.res[i]] = 128 * sums.r;
 }
 
 }  // namespace
@@ -148,29 +179,52 @@ torch::Tensor pack(torch::Tensor w) {
   return u.view({Np / BLOCK, BLOCK, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// x fp32 (n, K), refine bool (n,) -> int8 (n + refined, K) rows for torch._int_mm, row scales fp32 (n,)
-std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine) {
+// x fp32 (n, K), refine bool (n,) -> int8 (n + residual rows, K) GEMM rows for torch._int_mm, row scales fp32 (n,),
+// and with outliers > 0 the refined rows' outlier channels (int32 (n, outliers), -1 past a row's own; fp32 values)
+std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine, int64_t outliers) {
   x = x.contiguous();
   const int64_t n = x.size(0), K = x.size(1);
-  const Rows rows = make_rows(refine, n);
+  Rows rows = make_rows(refine, n, outliers);
   auto xq = torch::empty({rows.total, K}, x.options().dtype(torch::kInt8));
   auto scale = torch::empty({n}, x.options());
   const float* xp = x.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
+  const bool* rp = refine.data_ptr<bool>();
   at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
-      quantize_row(xp + i * K, K, sp + i, qp + i * K, rows.res[i] >= 0 ? qp + rows.res[i] * K : nullptr);
+      quantize_into(rows, rp, xp + i * K, K, i, sp + i, qp + i * K, rows.res[i] >= 0 ? qp + rows.res[i] * K : nullptr,
+                    nullptr);
   });
-  return {xq, scale};
+  if (!outliers) return {xq, scale};
+  auto idx = torch::full({n, outliers}, -1, x.options().dtype(torch::kInt32));
+  auto val = torch::zeros({n, outliers}, x.options());
+  for (int64_t i = 0; i < n; ++i)
+    for (int k = 0; k < rows.outl[i].n; ++k) {
+      idx.data_ptr<int32_t>()[i * outliers + k] = rows.outl[i].idx[k];
+      val.data_ptr<float>()[i * outliers + k] = rows.outl[i].val[k];
+    }
+  return {xq, scale, idx, val};
 }
 
-// acc int32 (n + refined, N) from torch._int_mm -> fp32 (n, N), the same epilogue as `linear`
+// acc int32 (n + residual rows, N) from torch._int_mm -> fp32 (n, N), the same epilogue as `linear`; rows with
+// outliers (`quantize`'s idx and val) add their sums, read from the packed weights like `linear` does.
 torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, torch::Tensor refine,
-                     c10::optional<torch::Tensor> bias) {
+                     c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> packed,
+                     c10::optional<torch::Tensor> outlier_idx, c10::optional<torch::Tensor> outlier_val) {
   acc = acc.contiguous();
-  const int64_t n = xscale.size(0), N = acc.size(1);
-  const Rows rows = make_rows(refine, n);
+  const int64_t n = xscale.size(0), N = acc.size(1), m = outlier_idx ? outlier_idx->size(1) : 0;
+  TORCH_CHECK(!m || (packed && outlier_val), "finish: outlier rows need the packed weights and their values");
+  Rows rows = make_rows(refine, n, m);
+  for (int64_t i = 0; m && i < n; ++i) {
+    int8k::Outliers& o = rows.outl[i];
+    for (; o.n < m && outlier_idx->data_ptr<int32_t>()[i * m + o.n] >= 0; ++o.n) {
+      o.idx[o.n] = outlier_idx->data_ptr<int32_t>()[i * m + o.n];
+      o.val[o.n] = outlier_val->data_ptr<float>()[i * m + o.n];
+    }
+  }
+  const uint8_t* pp = m ? packed->data_ptr<uint8_t>() : nullptr;
+  const int64_t K4 = m ? packed->size(1) : 0;
   auto out = torch::empty({n, N}, ws.options());
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
@@ -180,40 +234,43 @@ torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, 
   at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const __m512 s = _mm512_set1_ps(xsp[i]);
+      const int8k::Outliers* outl = m && rows.outl[i].n ? &rows.outl[i] : nullptr;
       for (int64_t col = 0; col < N; col += 16) {
-        const __mmask16 m = tail_mask(N - col);
-        const __m512i a0 = _mm512_maskz_loadu_epi32(m, ap + i * N + col);
+        const __mmask16 mk = tail_mask(N - col);
+        const __m512i a0 = _mm512_maskz_loadu_epi32(mk, ap + i * N + col);
         __m512i a1v;
-        if (rows.res[i] >= 0) a1v = _mm512_maskz_loadu_epi32(m, ap + rows.res[i] * N + col);
-        const __m512 y = epilogue16(a0, rows.res[i] >= 0 ? &a1v : nullptr, _mm512_maskz_loadu_ps(m, wsp + col), s,
-                                    bp ? bp + col : nullptr, m);
-        _mm512_mask_storeu_ps(op + i * N + col, m, y);
+        if (rows.res[i] >= 0) a1v = _mm512_maskz_loadu_epi32(mk, ap + rows.res[i] * N + col);
+        const __m512 o = outl ? int8k::outlier_sums16(pp + (col / BLOCK) * K4 * 256, *outl, (col % BLOCK) / 16)
+                              : _mm512_setzero_ps();
+        const __m512 y = epilogue16(a0, rows.res[i] >= 0 ? &a1v : nullptr, _mm512_maskz_loadu_ps(mk, wsp + col), s,
+                                    bp ? bp + col : nullptr, mk, outl ? &o : nullptr);
+        _mm512_mask_storeu_ps(op + i * N + col, mk, y);
       }
     }
   });
   return out;
 }
 
-// The fused decode linear: x fp32 (n, K) -> fp32 (n, N), n + refined rows <= MAX_ROWS.
+// The fused decode linear: x fp32 (n, K) -> fp32 (n, N), n + residual rows <= MAX_ROWS. Refined rows get a residual
+// row, or with outliers > 0 keep that many channels exact (int8.py `Linear.outliers`).
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor ws, c10::optional<torch::Tensor> bias,
-                     torch::Tensor refine) {
+                     torch::Tensor refine, int64_t outliers) {
   x = x.contiguous();
   const int64_t n = x.size(0), K = x.size(1), K4 = packed.size(1), blocks = packed.size(0), N = ws.size(0);
   TORCH_CHECK(packed.dtype() == torch::kUInt8, "linear: packed weights come from `pack`");
   TORCH_CHECK(K4 * 4 >= K && K4 * 4 - K < 4, "linear: activations do not match the packed weights");
-  const Rows rows = make_rows(refine, n);
+  Rows rows = make_rows(refine, n, outliers);
   const int64_t total = rows.total;
   TORCH_CHECK(total <= MAX_ROWS, "linear takes at most ", MAX_ROWS, " GEMM rows");
   std::vector<int8_t> q(total * K4 * 4, 0);  // padded K stays 0
   std::vector<float> xscale(n);
   std::vector<int32_t> corr(total);  // 128 * sum(q) per GEMM row: the weights' + 128
-  for (int64_t i = 0; i < n; ++i) {
-    const bool two_pass = rows.res[i] >= 0;
-    const int8k::RowSums sums = quantize_row(x.data_ptr<float>() + i * K, K, &xscale[i], q.data() + i * K4 * 4,
-                                             two_pass ? q.data() + rows.res[i] * K4 * 4 : nullptr);
-    corr[i] = 128 * sums.q;
-    if (two_pass) corr[rows.res[i]] = 128 * sums.r;
-  }
+  const bool* rp = refine.data_ptr<bool>();
+  at::parallel_for(0, n, QUANTIZE_GRAIN, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_into(rows, rp, x.data_ptr<float>() + i * K, K, i, &xscale[i], q.data() + i * K4 * 4,
+                    rows.res[i] >= 0 ? q.data() + rows.res[i] * K4 * 4 : nullptr, corr.data());
+  });
   auto out = torch::empty({n, N}, x.options());
   const int32_t* xb = reinterpret_cast<const int32_t*>(q.data());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;

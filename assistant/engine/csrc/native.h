@@ -7,11 +7,12 @@
 // int8_linear.cpp
 torch::Tensor pad_weights(torch::Tensor w);  // int8 (N, K) -> zeros-padded (N to BLOCK outputs, K to 4 inputs)
 torch::Tensor pack(torch::Tensor w);
-std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine);
+std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine, int64_t outliers);
 torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, torch::Tensor refine,
-                     c10::optional<torch::Tensor> bias);
+                     c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> packed,
+                     c10::optional<torch::Tensor> outlier_idx, c10::optional<torch::Tensor> outlier_val);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor ws, c10::optional<torch::Tensor> bias,
-                     torch::Tensor refine);
+                     torch::Tensor refine, int64_t outliers);
 // lm_head.cpp
 std::vector<torch::Tensor> head_pack(torch::Tensor w);
 std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor mean, torch::Tensor margin,
