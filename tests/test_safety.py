@@ -196,6 +196,20 @@ def test_the_answers_first_token_goes_out_at_once_when_it_is_a_common_opening_wo
     assert shown(guard.feed(TextDelta("You"))) == ""  # an opener goes early only while nothing nears a block
 
 
+def test_a_word_released_early_is_scored_once():
+    """Before a word goes out ahead of its sentence's end, the guard asks how close the sentence so far comes
+    to a block; the release then scans the same text, and the guard remembers its score instead of asking the
+    detector again (the profanity model takes ~0.4 ms a call)."""
+    profanity = Fixed("profanity", "toxicity", 0.0)
+    guard, _ = output_guard(profanity=profanity)
+    out = ""
+    for word in ("Sure", " you", " can", " do", " that", " now"):
+        before = profanity.calls
+        out += shown(guard.feed(TextDelta(word)))
+        assert profanity.calls - before <= 1, word
+    assert out == "Sure you can do that " and profanity.calls == 5  # "Sure" waits for " you", then one a word
+
+
 class Rising:
     """Profanity that builds up: 0.5 once "worthless" is in the text, 0.95 with "garbage", else 0.01."""
 

@@ -125,6 +125,9 @@ class PolicyBook:
         return self.get(chosen) if chosen else self.default
 
 
+RECENT_SCORES = 8  # answer texts whose scores a guard remembers (`_scores`)
+
+
 class SafetyGuard:
     """InputGuard over real (or, in tests, fake) detectors; see the module notes."""
 
@@ -135,6 +138,10 @@ class SafetyGuard:
         self.conversation_id, self.key_id = conversation_id, key_id
         self.policy = policy or policies.default
         self.second_opinion = second_opinion  # false: policies' second opinions are not asked (safety.second_opinion)
+        # the last few answer texts' scores per detector: the output guard asks how close a sentence comes to a
+        # block before it releases a word early, then scans the same text as it releases it (output.py)
+        self._recent: dict[tuple[str, str], list[Score]] = {}
+        self._recent_lock = threading.Lock()
 
     def for_conversation(self, conversation_id: str | None, key_id: str | None = None) -> "SafetyGuard":
         return SafetyGuard(self.detectors, self.policies, self.audit, conversation_id=conversation_id,
@@ -371,9 +378,20 @@ class SafetyGuard:
             cached = self.audit.cached_scores(text, key)
             if cached is not None:
                 return [Score(c, v, detector.name) for c, v in cached]
+        memo = (detector.name, text) if where == "output" else None
+        if memo is not None:
+            with self._recent_lock:
+                recent = self._recent.get(memo)
+            if recent is not None:
+                return recent
         scored = detector.score(text)
         if key:
             self.audit.cache_scores(text, key, [(s.category, s.score) for s in scored])
+        if memo is not None:
+            with self._recent_lock:
+                self._recent[memo] = scored
+                if len(self._recent) > RECENT_SCORES:
+                    del self._recent[next(iter(self._recent))]  # the oldest
         return scored
 
     def scores(self, text: str) -> list[Score]:

@@ -179,7 +179,9 @@ class OutputGuard(StreamTransformer):
             last, after = words(word), words(text[next_start:])
             if last and self.leaks is not None and self.leaks.may_continue(last[-1][0], after[0][0] if after else ""):
                 continue
-            if self.guard is not None and self.guard.closeness(text[:end], where="output",
+            # scored through the whitespace after the word: the very text the release scans (the guard
+            # remembers the score), unless an earlier sentence ends in this window or a finding is redacted
+            if self.guard is not None and self.guard.closeness(text[:next_start], where="output",
                                                                policy=self.policy) >= EARLY_CLOSENESS:
                 return 0  # the sentence is heading for a block: show none of it before it is whole
             return cut_at
