@@ -74,6 +74,35 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-z))
 
 
+class OneText:
+    """`vectorizer.transform([text]) @ w` for a fitted TfidfVectorizer (l2 norm, idf, optional sublinear tf)
+    without sklearn's per-call input validation and sparse-matrix building: ~0.35-0.45 ms a call through
+    sklearn here, most of it overhead for a one-sentence text, against ~0.03-0.06 ms this way. The same
+    analyzer, vocabulary and idf, the features in index order as sklearn's sorted CSR row holds them; the
+    result agrees with sklearn's to float rounding (tests/test_safety_real.py)."""
+
+    def __init__(self, vectorizer: Any, w: np.ndarray) -> None:
+        assert vectorizer.norm == "l2" and vectorizer.use_idf and not vectorizer.binary, "an unexpected vectorizer"
+        self.analyze, self.vocabulary = vectorizer.build_analyzer(), vectorizer.vocabulary_
+        self.idf, self.sublinear, self.w = np.asarray(vectorizer.idf_, dtype=np.float64), vectorizer.sublinear_tf, w
+
+    def __call__(self, text: str) -> np.ndarray:  # w's trailing shape: (F,) per fold, or () for a vector
+        counts: dict[int, int] = {}
+        for token in self.analyze(text):
+            j = self.vocabulary.get(token)
+            if j is not None:
+                counts[j] = counts.get(j, 0) + 1
+        if not counts:
+            return np.zeros(self.w.shape[1:])
+        idx = np.array(sorted(counts))
+        x = np.array([counts[j] for j in idx], dtype=np.float64)
+        if self.sublinear:
+            x = np.log(x) + 1.0
+        x *= self.idf[idx]
+        x /= np.sqrt(np.dot(x, x))
+        return x @ self.w[idx]
+
+
 class PromptGuardrail(_Lazy):
     """prompt-guardrail's TF-IDF + logistic regression (label 1 = injection)."""
 
@@ -84,14 +113,16 @@ class PromptGuardrail(_Lazy):
         vectorizer = pinned.load_joblib(pinned.GUARDRAIL_VECTORIZER)
         clf = pinned.load_joblib(pinned.GUARDRAIL_MODEL)
         assert list(clf.classes_) == [0, 1], clf.classes_
-        return vectorizer, clf.coef_[0].astype(np.float64), float(clf.intercept_[0]), clf
+        w = clf.coef_[0].astype(np.float64)
+        return vectorizer, w, float(clf.intercept_[0]), clf, OneText(vectorizer, w)
 
     def probability(self, texts: Sequence[str]) -> np.ndarray:
-        vectorizer, w, b, _ = self.model()
+        vectorizer, w, b, _, _ = self.model()
         return _sigmoid(vectorizer.transform(list(texts)) @ w + b)  # (N,)
 
     def score(self, text: str) -> list[Score]:
-        return [Score("prompt_injection", float(self.probability([text])[0]), self.name)]
+        _, _, b, _, one = self.model()
+        return [Score("prompt_injection", float(_sigmoid(one(text) + b)), self.name)]
 
 
 class Profanity(_Lazy):
@@ -112,12 +143,17 @@ class Profanity(_Lazy):
         b = np.array([f[1] for f in folds])  # (F,)
         a = np.array([f[2] for f in folds])
         c = np.array([f[3] for f in folds])
-        return vectorizer, w, b, a, c, model
+        return vectorizer, w, b, a, c, model, OneText(vectorizer, w)
 
     def probability(self, texts: Sequence[str]) -> np.ndarray:
-        vectorizer, w, b, a, c, _ = self.model()
+        vectorizer, w, b, a, c, _, _ = self.model()
         decision = vectorizer.transform(list(texts)) @ w + b  # (N, F)
         return _sigmoid(-(a * decision + c)).mean(axis=1)  # (N,) sklearn: expit(-(a*f + b)) per fold, averaged
+
+    def one(self, text: str) -> float:
+        """probability([text])[0] through OneText (the output guard scores a sentence per released word)."""
+        _, _, b, a, c, _, one = self.model()
+        return float(_sigmoid(-(a * (one(text) + b) + c)).mean())
 
     def score(self, text: str) -> list[Score]:
         from assistant.safety.head import looks_foreign
@@ -127,7 +163,7 @@ class Profanity(_Lazy):
         # ones and on no toxic one, so it does not read foreign text; the full head does.
         if looks_foreign(text):
             return []
-        return [Score("toxicity", float(self.probability([text])[0]), self.name)]
+        return [Score("toxicity", self.one(text), self.name)]
 
 
 class NanoGuard(_Lazy):
