@@ -50,6 +50,14 @@ builds: 14.3-15.2 -> 12.6-13.2 ms (1 row unchanged, 9.8-10.9 ms); (3) the screen
 aggregate at 8 streams 4.59-4.72x one stream's in three bench runs (engine step 36.4 ms at 8 streams
 against 22.4 ms at 1; the model's step curve 1.69-1.80x at 8 rows). Batch-1 decode gained as well,
 since a generated row's gate_up is now one GEMM row: 39 -> 43-46 tok/s, same run, alternating processes.
+(5) `down`'s generated rows keep their 16 largest activations exact instead of a residual GEMM row
+(int8.py has the quality): a generated row is one GEMM row everywhere. Same run, two engines
+alternating, decode only: 8 streams 4.41-4.50x -> 4.92-4.99x one stream's, 8-row step 1.91x -> 1.73x.
+Per call at 8 rows, a down-shaped linear: one pass 281 us, with the outliers 302 us (selecting them
+~1.2 us a row, their fp32 sums ~1.3 us a row), with the residual pass ~450 us. What bounds an 8-row
+step now: this machine's vector units. A register-only loop of `vpdpbusd` runs ~1.9-2.2e9 a second on
+the two vCPUs (they share one core); gate_up and the screened head reach ~2.1-2.2e9 at 8 rows, down
+~1.9e9, so the GEMMs of an 8-row step are within ~10% of what the core can multiply.
 Tried and dropped: prefetching attention's paged keys and values (no gain: cold attention at 8 rows
 x 300 keys, 9.0 vs 9.7 ms; it is bound by this core's misses in flight, ~7 GB/s, not by the order of
 the reads: a head-contiguous cache ran at the same bytes per second); a 16 KB prefetch distance or
