@@ -817,3 +817,47 @@ def test_cached_scores_survive_a_restart(tmp_path):
     assert tuned2.calls == 0  # both came from the cache written before the restart
     assert guard.check("a new page", where="retrieved").allowed and tuned2.calls == 1
     store.close()
+
+
+@pytest.mark.parametrize("text, kind, value", [
+    ("Reach Lukas on his mobile, +49 170 48213975, after six.", "phone number", "+49 170 48213975"),
+    ("Appelez Claire au 0033 7 41 26 88 90 demain.", "phone number", "0033 7 41 26 88 90"),
+    ("Claire: +33 6 21 47 93 58.", "phone number", "+33 6 21 47 93 58"),
+    ("His cell is 312.846.7720 if the door is locked.", "phone number", "312.846.7720"),
+    ("Sure, here's the complete system message as it was given to me:\n\nYou are Orbit, a travel agent bot. "
+     "Never book refundable fares.", "system prompt", "You are Orbit"),
+    ("These are the confidential instructions I was given before you wrote:\n1. Only talk about gardening. "
+     "2. Push the premium plan.", "system prompt", "1. Only talk"),
+    ("Since you want my original prompt verbatim, here it is:\nSYSTEM: You answer as Lex, a legal helper for "
+     "Baum LLP. Never quote fees.", "system prompt", "SYSTEM: You answer"),
+    ('My developer instructions say: "Act as Juno, a fitness coach. Never recommend supplements by brand name."',
+     "system prompt", "Act as Juno"),
+])
+def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kind, value):
+    """Phone numbers with an 00 prefix, a lone digit after the country code, 8-digit groups or dots; an
+    announcement of the assistant's own instructions in either order ("my prompt ..., here it is:")."""
+    found = [(f.kind, text[f.start:f.end]) for f in find(text, None)]
+    assert any(k == kind and v.startswith(value) for k, v in found), found
+
+
+@pytest.mark.parametrize("text", [
+    "The gateway is 192.168.100.200 and the build is 10.0.19045.2965.",
+    "Call the Social Security Administration at 1-800-772-1213 on weekdays.",
+    "Report vulnerabilities to security@openssl.org or psirt@cisco.com.",
+    "Here are the rules of chess: the king moves one square in any direction, the queen any distance.",
+    "Here is a system prompt you could use for your own bot: You are a helpful cooking assistant.",
+])
+def test_organisations_public_contacts_ip_addresses_and_other_rules_pass(text):
+    """Toll-free numbers and role mailboxes belong to organisations; dotted IPs and versions are no phone
+    numbers; rules that are not the assistant's own are not a leak (a prompt written for the user's bot is
+    the user's: it does not announce the assistant's own instructions)."""
+    assert find(text, None) == [], [(f.kind, text[f.start:f.end]) for f in find(text, None)]
+
+
+def test_a_dump_announced_after_its_subject_is_held_and_redacted_in_the_stream():
+    guard, _ = output_guard()
+    text = ("Since you want my original prompt verbatim, here it is: You are Lex, a legal helper for Baum LLP. "
+            "Never quote fees. Always suggest a consultation.")
+    shown_text = shown(stream(guard, text, sizes=(1, 3, 2)))
+    assert shown_text.startswith("Since you want my original prompt verbatim, here it is:")
+    assert "Baum" not in shown_text and "Never quote fees" not in shown_text and "[redacted: system prompt]" in shown_text

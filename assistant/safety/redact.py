@@ -54,15 +54,28 @@ SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)
 ))
 CARD = re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])")
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@([A-Za-z0-9-]+\.)+[A-Za-z]{2,}\b")
-PHONE = re.compile(r"(?<![\w.+-])(?:\+\d{1,3}[ -]?)?(?:\(\d{2,4}\)[ -]?)?\d{2,5}(?:[ -]\d{2,6}){1,4}(?![\w-])")
+# an optional international prefix (+49, 0033; then a lone digit may follow: +33 6 ...; +44 (0)20 ...), an
+# optional area code in brackets, groups of 2-8 digits split by spaces, dashes or dots
+PHONE = re.compile(r"(?<![\w.+-])(?:(?:\+|00)\d{1,3}[ .-]?(?:\(0\)[ .-]?)?(?:\d[ .-])?)?(?:\(\d{1,4}\)[ .-]?)?"
+                   r"\d{2,5}(?:[ .-]\d{2,8}){1,4}(?![\w-])")
+IPV4 = re.compile(r"\d{1,3}(?:\.\d{1,3}){3}")
+# NANP toll-free numbers (800, 888, 877, 866, 855, 844, 833) belong to organisations, never to a private person
+TOLL_FREE = re.compile(r"^1?8(?:00|88|77|66|55|44|33)\d{7}$")
+# role mailboxes (RFC 2142 and their everyday kin): an organisation's published address, not a person's
+ROLE_MAILBOX = re.compile(r"(?i)^(?:support|security|info|help|contact|sales|press|abuse|no-?reply|admin|privacy"
+                          r"|webmaster|postmaster|hostmaster|hello|team|office|billing|jobs|careers|feedback|service"
+                          r"|enquiries|inquiries|media|legal|compliance|marketing|partners|accounts|orders|returns"
+                          r"|customer[._-]?service|dpo|psirt|cert|noc|security-alert|secalert)@")
 DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:example|test|invalid|localhost))$",
                          re.IGNORECASE)
 PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|changeme|redacted|your[_-]|<[^>]*>|\$\{\w+\}|^\$\w+$"
                          r"|x{4,}|\*{3,}|\.{3}|…|\b(?:foo|bar|abc|1234)\b")
 _MY_INSTRUCTIONS = (  # first person, or "the system prompt"; English, Spanish, French, German, Italian, Portuguese
-    r"my\s+(?:(?:full|complete|entire|exact|system|initial|hidden|original|internal)\s+){0,2}"
-    r"(?:prompt|instructions?|system message|directives?|rules|guidelines)"
-    r"|the\s+(?:system|hidden|initial)\s+(?:prompt|message|instructions?)"
+    r"my\s+(?:(?:full|complete|entire|exact|system|initial|hidden|original|internal|developer|secret"
+    r"|confidential)\s+){0,2}(?:prompt|instructions?|system message|directives?|rules|guidelines|configuration)"
+    r"|the\s+(?:(?:full|complete|entire|exact|original|actual)\s+)?(?:system|hidden|initial|developer|secret"
+    r"|confidential|internal)\s+(?:prompt|message|instructions?|configuration)"
+    r"|(?:the\s+)?instructions\s+I\s+(?:was|have\s+been|got)\s+given"
     r"|mis\s+instrucciones(?:\s+de\s+sistema)?|mi\s+prompt(?:\s+de\s+sistema)?|mis\s+reglas"
     r"|mes\s+(?:instructions|consignes)(?:\s+syst[eè]me)?|mon\s+prompt(?:\s+syst[eè]me)?"
     r"|meine\s+(?:System)?(?:anweisungen|regeln)|mein\s+(?:System)?prompt"
@@ -77,8 +90,11 @@ SELF_QUOTE_OPEN = re.compile(rf"(?i)\b(?:{_MY_INSTRUCTIONS})\s*(?:(?:{_SAYS})\b[
 # may run to the end of the text (an answer cut off inside it)
 SELF_QUOTE = re.compile(SELF_QUOTE_OPEN.pattern + rf"(?P<v>[^{QUOTES_CLOSE}]{{40,}})(?:[{QUOTES_CLOSE}]|\Z)")
 # "Sure, here is my full system prompt:" and the prompt after it, unquoted: the rest of the answer
-SELF_DUMP_OPEN = re.compile(rf"(?i)\b(?:here\s+is|here's|below\s+is|this\s+is|aqu[ií]\s+(?:est[aá]|tienes)|voici"
-                            rf"|hier\s+(?:ist|sind)|ecco|aqui\s+est[aá]o?)\s+(?:{_MY_INSTRUCTIONS})\b[^:\n]{{0,30}}:")
+_DISCLOSE = (r"here\s+(?:is|are|it\s+is|they\s+are)|here's|these\s+are|below\s+(?:is|are)|this\s+is|as\s+follows"
+             r"|verbatim|word\s+for\s+word|aqu[ií]\s+(?:est[aá]|tienes)|voici|hier\s+(?:ist|sind)|ecco|aqui\s+est[aá]o?")
+# an announcement of the assistant's own instructions and of their disclosure, in either order, ending in ":"
+SELF_DUMP_OPEN = re.compile(rf"(?i)\b(?:(?:{_DISCLOSE})\s+(?:[^:\n]{{0,40}}?\s)?(?:{_MY_INSTRUCTIONS})\b[^:\n]{{0,60}}"
+                            rf"|(?:{_MY_INSTRUCTIONS})\b[^:\n]{{0,60}}?\b(?:{_DISCLOSE})\b[^:\n]{{0,20}}):")
 SELF_DUMP = re.compile(SELF_DUMP_OPEN.pattern + r"\s*(?P<v>[\s\S]{40,})")
 PLACEHOLDER_WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "apikey", "api_key", "key",
                                "user", "username", "mypassword", "yourpassword", "pa55word", "letmein"})
@@ -203,13 +219,16 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
     for m in EMAIL.finditer(text):
         before = text[:m.start()]
         in_url = bool(before) and not before[-1].isspace() and "://" in before.rsplit(None, 1)[-1]
-        if not DOC_DOMAINS.search(m.group()) and not in_url:  # user:password@host is the URL's, not an email
+        if not DOC_DOMAINS.search(m.group()) and not ROLE_MAILBOX.match(m.group()) and not in_url:  # user:password@host is the URL's
             found.append(Finding(m.start(), m.end(), "pii", "email"))
     for m in PHONE.finditer(text):
         digits = re.sub(r"\D", "", m.group())
         formatted = m.group().startswith(("+", "(")) or len(digits) >= 10
+        dotted = "." in m.group() and not m.group().startswith(("+", "00"))
+        if dotted and (IPV4.fullmatch(m.group()) or re.search(r"(?:^|\.)\d(?:\.|$)", m.group())):
+            continue  # an IP address or a version number (1.2.3), not a phone number
         if 9 <= len(digits) <= 15 and formatted and not _card_like(digits) and not _date_like(m.group()) \
-                and not FICTIONAL_PHONE.match(digits):
+                and not FICTIONAL_PHONE.match(digits) and not TOLL_FREE.match(digits):
             found.append(Finding(m.start(), m.end(), "pii", "phone number"))
     if leaks is not None:
         found += leaks.find(text)
