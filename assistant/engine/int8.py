@@ -35,8 +35,9 @@ falls with m; top-1 moves by a few rows either way). On every linear (m = 8: 0.9
 0.00333) it is more accurate still. Held-back check (the other 24 prompts, 773 rows, run once after the
 choice): residual pass on `down` 0.972 / 0.0037, 16 outliers on `down` 0.968 / 0.0039 (8: 0.969 / 0.0039), one
 pass 0.959 / 0.0064: the outliers keep ~92% of what the residual pass buys. On every linear the fp32
-column sums would cost ~3 ms of an 8-row step (gate_up's 9,728 outputs), so only `down` refines. Decode only, same run, alternating engines: 8 streams 4.41-4.50x one stream's
-with the residual pass, 4.92-4.99x with 16 outliers; 8-row step 1.91x -> 1.73x a 1-row step.
+column sums would cost ~3 ms of an 8-row step (gate_up's 9,728 outputs), so only `down` refines.
+Decode only, same run, alternating engines: 8 streams 4.41-4.50x one stream's with the residual pass,
+4.92-4.99x with 16 outliers; 8-row step 1.91x -> 1.73x a 1-row step.
 (Single answers are no measure: `assistant chat` answers "What is 2+2?" with 4 or 6 depending on
 rounding details, and fp32 itself only repeats the question.) Prompt tokens keep one pass: prefill is
 compute-bound, and only a prompt's last token is sampled (its lm_head row gets the pass).
@@ -204,11 +205,9 @@ class Linear:
         outliers = self.outliers if refined else 0
         if x.size(0) + (0 if outliers else refined) <= self.native.MAX_ROWS:
             return self.native.linear(x, self.vnni, self.scale, self.bias, refine, outliers)
-        q = self.native.quantize(x, refine, outliers)
-        acc = torch._int_mm(q[0], self.weight.t())
-        if outliers:
-            return self.native.finish(acc, self.scale, q[1], refine, self.bias, self.vnni, q[2], q[3])
-        return self.native.finish(acc, self.scale, q[1], refine, self.bias, None, None, None)
+        q = self.native.quantize(x, refine, outliers)  # with outliers: their channels and values as q[2], q[3]
+        extra = (self.vnni, q[2], q[3]) if outliers else (None, None, None)
+        return self.native.finish(torch._int_mm(q[0], self.weight.t()), self.scale, q[1], refine, self.bias, *extra)
 
     def prepare_greedy(self) -> None:
         """Pack the 4-bit screening copy for `greedy_logits` (native int8 only; +half the int8 bytes)."""

@@ -27,9 +27,10 @@ struct Int8Linear {  // int8.py Linear with the native kernel: VNNI layout, corr
     const torch::Tensor& refine = residual ? rows.mask : rows.none;
     const int64_t extra = residual && !outliers ? rows.count : 0;  // residual rows
     if (x.size(0) + extra <= int8k::MAX_ROWS) return linear(x, packed, ws, bias, refine, outliers);
-    auto q = quantize(x, refine, outliers);
-    return outliers ? finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias, packed, q[2], q[3])
-                    : finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias, c10::nullopt, c10::nullopt, c10::nullopt);
+    auto q = quantize(x, refine, outliers);  // with outliers: their channels and values as q[2], q[3]
+    auto part = [&](size_t i) { return outliers ? c10::optional<torch::Tensor>(q[i]) : c10::nullopt; };
+    return finish(at::_int_mm(q[0], weight.t()), ws, q[1], refine, bias,
+                  outliers ? c10::optional<torch::Tensor>(packed) : c10::nullopt, part(2), part(3));
   }
 };
 
