@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -116,13 +116,12 @@ class PromptGuardrail(_Lazy):
         w = clf.coef_[0].astype(np.float64)
         return vectorizer, w, float(clf.intercept_[0]), clf, OneText(vectorizer, w)
 
-    def probability(self, texts: Sequence[str]) -> np.ndarray:
-        vectorizer, w, b, _, _ = self.model()
-        return _sigmoid(vectorizer.transform(list(texts)) @ w + b)  # (N,)
+    def probability(self, text: str) -> float:
+        _, _, b, _, one = self.model()
+        return float(_sigmoid(one(text) + b))
 
     def score(self, text: str) -> list[Score]:
-        _, _, b, _, one = self.model()
-        return [Score("prompt_injection", float(_sigmoid(one(text) + b)), self.name)]
+        return [Score("prompt_injection", self.probability(text), self.name)]
 
 
 class Profanity(_Lazy):
@@ -145,15 +144,9 @@ class Profanity(_Lazy):
         c = np.array([f[3] for f in folds])
         return vectorizer, w, b, a, c, model, OneText(vectorizer, w)
 
-    def probability(self, texts: Sequence[str]) -> np.ndarray:
-        vectorizer, w, b, a, c, _, _ = self.model()
-        decision = vectorizer.transform(list(texts)) @ w + b  # (N, F)
-        return _sigmoid(-(a * decision + c)).mean(axis=1)  # (N,) sklearn: expit(-(a*f + b)) per fold, averaged
-
-    def one(self, text: str) -> float:
-        """probability([text])[0] through OneText (the output guard scores a sentence per released word)."""
+    def probability(self, text: str) -> float:
         _, _, b, a, c, _, one = self.model()
-        return float(_sigmoid(-(a * (one(text) + b) + c)).mean())
+        return float(_sigmoid(-(a * (one(text) + b) + c)).mean())  # sklearn: expit(-(a*f + b)) per fold, averaged
 
     def score(self, text: str) -> list[Score]:
         from assistant.safety.head import looks_foreign
@@ -163,7 +156,7 @@ class Profanity(_Lazy):
         # ones and on no toxic one, so it does not read foreign text; the full head does.
         if looks_foreign(text):
             return []
-        return [Score("toxicity", self.one(text), self.name)]
+        return [Score("toxicity", self.probability(text), self.name)]
 
 
 class NanoGuard(_Lazy):
