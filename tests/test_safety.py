@@ -832,10 +832,14 @@ def test_cached_scores_survive_a_restart(tmp_path):
      "Baum LLP. Never quote fees.", "system prompt", "SYSTEM: You answer"),
     ('My developer instructions say: "Act as Juno, a fitness coach. Never recommend supplements by brand name."',
      "system prompt", "Act as Juno"),
+    ('const WEBHOOK_SECRET = "9a0f33c1d7e85b6042aa91fe7c3d58b0e61f2497";', "secret", "9a0f33c1d7e85b6042aa91fe7c3d58b0e61f2497"),
+    ("DB_PASSWORD=Tq7!vW2mzr9", "secret", "Tq7!vW2mzr9"),
+    ("Connected to redis://:Hq4xPz8kWvR2*m@cache-01.internal:6379/2", "password", "Hq4xPz8kWvR2*m"),
 ])
 def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kind, value):
     """Phone numbers with an 00 prefix, a lone digit after the country code, 8-digit groups or dots; an
-    announcement of the assistant's own instructions in either order ("my prompt ..., here it is:")."""
+    announcement of the assistant's own instructions in either order ("my prompt ..., here it is:"); a
+    secret named at the end of a longer name (WEBHOOK_SECRET); a URL's password without a user name."""
     found = [(f.kind, text[f.start:f.end]) for f in find(text, None)]
     assert any(k == kind and v.startswith(value) for k, v in found), found
 
@@ -846,6 +850,7 @@ def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kin
     "Report vulnerabilities to security@openssl.org or psirt@cisco.com.",
     "Here are the rules of chess: the king moves one square in any direction, the queen any distance.",
     "Here is a system prompt you could use for your own bot: You are a helpful cooking assistant.",
+    "Commit a .env.example:\n\nSLACK_SIGNING_SECRET=\nDATABASE_URL=\n",  # an empty value, then the next line
 ])
 def test_organisations_public_contacts_ip_addresses_and_other_rules_pass(text):
     """Toll-free numbers and role mailboxes belong to organisations; dotted IPs and versions are no phone

@@ -43,10 +43,11 @@ SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)
     ("token", r"\bhf_[A-Za-z0-9]{30,}"),
     ("token", r"\bnpm_[A-Za-z0-9]{36}"),
     ("token", r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),  # JWT
-    ("password", r"://[^\s:/@]+:(?P<v>[^\s@/]+)@"),  # user:password@ in a URL
-    # key = value / key: value assignments of something secret-looking (only the value is redacted)
-    ("secret", r"(?i)\b(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token)\w*"
-               r"[\"']?\s?[:=]\s?[\"']?(?P<v>[^\s\"']{6,})"),
+    ("password", r"://[^\s:/@]*:(?P<v>[^\s@/]+)@"),  # user:password@ (or :password@, Redis) in a URL
+    # key = value / key: value assignments of something secret-looking (only the value is redacted); the key
+    # may end a longer name (WEBHOOK_SECRET, DB_PASSWORD)
+    ("secret", r"(?i)(?:\b|(?<=_))(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token)\w*"
+               r"[\"']?[ \t]?[:=][ \t]?[\"']?(?P<v>[^\s\"']{6,})"),  # on its line: `SECRET=` then a newline is empty
     ("secret", r"(?i)\b(?:token|secret|password|key) (?P<v>(?=[A-Za-z0-9/+_=-]*\d)[A-Za-z0-9/+_=-]{16,})"),
     # long random-looking tokens: upper, lower and digits mixed, 32+ chars
     ("secret", r"(?<![A-Za-z0-9/+_=-])(?=[A-Za-z0-9/+_=-]*[A-Z])(?=[A-Za-z0-9/+_=-]*[a-z])(?=[A-Za-z0-9/+_=-]*\d)"
