@@ -47,7 +47,7 @@ SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)
     # key = value / key: value assignments of something secret-looking (only the value is redacted); the key
     # may end a longer name (WEBHOOK_SECRET, DB_PASSWORD)
     ("secret", r"(?i)(?:\b|(?<=_))(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token)\w*"
-               r"[\"']?[ \t]?[:=][ \t]?[\"']?(?P<v>[^\s\"']{6,})"),  # on its line: `SECRET=` then a newline is empty
+               r"[\"']?[ \t]?[:=][ \t]?[\"']?(?P<v>[^\s\"';,]{6,})"),  # on its line (`SECRET=` then a newline is empty), to a ; or ,
     ("secret", r"(?i)\b(?:token|secret|password|key) (?P<v>(?=[A-Za-z0-9/+_=-]*\d)[A-Za-z0-9/+_=-]{16,})"),
     # long random-looking tokens: upper, lower and digits mixed, 32+ chars
     ("secret", r"(?<![A-Za-z0-9/+_=-])(?=[A-Za-z0-9/+_=-]*[A-Z])(?=[A-Za-z0-9/+_=-]*[a-z])(?=[A-Za-z0-9/+_=-]*\d)"
