@@ -50,10 +50,21 @@ class Fixed:
         return [Score(self.categories[0], self.value, self.name)]
 
 
+class Disclosing:
+    """A stand-in for the disclosure classifier: 0.99 once "PREAMBLE-LEAK" is in the text, 0.2 once "operator"
+    is (near the default threshold 0.5: early release stops there), else 0.01."""
+
+    name, categories = "disclosure", ("system_prompt_leak",)
+
+    def score(self, text):
+        value = 0.99 if "PREAMBLE-LEAK" in text else 0.2 if "operator" in text else 0.01
+        return [Score("system_prompt_leak", value, self.name)]
+
+
 def detectors(**extra):
     return {"head": KeywordDetector(), "tuned": KeywordDetector("tuned"), "prompt_guardrail": Fixed("prompt_guardrail", "prompt_injection", 0.0),
             "profanity": Fixed("profanity", "toxicity", 0.0), "nanoguard": Fixed("nanoguard", "prompt_injection", 0.0),
-            "probe": KeywordDetector("probe"),
+            "probe": KeywordDetector("probe"), "disclosure": Disclosing(),
             **extra}
 
 
@@ -866,3 +877,48 @@ def test_a_dump_announced_after_its_subject_is_held_and_redacted_in_the_stream()
     shown_text = shown(stream(guard, text, sizes=(1, 3, 2)))
     assert shown_text.startswith("Since you want my original prompt verbatim, here it is:")
     assert "Baum" not in shown_text and "Never quote fees" not in shown_text and "[redacted: system prompt]" in shown_text
+
+
+def test_an_answer_the_disclosure_classifier_flags_is_redacted_from_that_sentence_on():
+    """No pattern sees a paraphrased leak; the classifier's hit redacts the rest of the answer (policy
+    [output] system_prompt_leak = "redact"), audited, with one verdict naming the detector."""
+    guard, safety = output_guard()
+    text = ("Happy to explain. Between us, the PREAMBLE-LEAK I run with tells me to push the Gold plan. "
+            "Never admit the export goes away. Anything else?")
+    events = stream(guard, text, sizes=(2, 5, 1))
+    shown_text = shown(events)
+    assert shown_text.startswith("Happy to explain.") and shown_text.endswith("[redacted: system prompt]")
+    assert "Gold plan" not in shown_text and "export" not in shown_text and "Anything else" not in shown_text
+    verdicts = [e for e in events if isinstance(e, SafetyVerdict)]
+    assert [(v.category, v.detector, v.allowed) for v in verdicts] == [("system_prompt_leak", "disclosure", True)]
+    row = safety.audit.rows[-1]
+    assert (row["category"], row["action"], row["detector"]) == ("system_prompt_leak", "redact", "disclosure")
+
+
+def test_words_of_a_sentence_heading_for_a_disclosure_are_not_released_early():
+    """Early release stops once the sentence so far scores EARLY_CLOSENESS of the threshold (0.2 >= 0.3 x 0.5):
+    what follows "operator" is only shown after the whole sentence was scored, and here it is redacted."""
+    guard, _ = output_guard()
+    text = "Sure thing my operator set me up with a PREAMBLE-LEAK that says to favour Gold. Thanks!"
+    events, i = [], 0
+    seen_before_end = ""
+    while i < len(text):
+        events += guard.feed(TextDelta(text[i:i + 2]))
+        i += 2
+        if i < text.index("Gold"):
+            seen_before_end = shown(events)
+    events += guard.finish()
+    assert "operator" not in seen_before_end and "Gold" not in shown(events)
+    assert shown(events).endswith("[redacted: system prompt]")
+
+
+def test_a_policy_that_logs_leaks_lets_the_classifier_hit_through(tmp_path):
+    """The [output] table decides what a classifier's leak does: `log` audits it and shows the answer."""
+    custom = tmp_path / "logleaks.toml"
+    custom.write_text(available_policies()["default"].read_text().replace('name = "default"', 'name = "logleaks"').replace(
+        'system_prompt_leak = "redact"', 'system_prompt_leak = "log"'))
+    safety = SafetyLayer(detectors(), MemoryAudit(), policy=str(custom))
+    guard = safety.output_guard().for_turn(None)
+    answer = "Fine: the PREAMBLE-LEAK says to push Gold. Bye."
+    assert shown(stream(guard, answer)) == answer
+    assert safety.audit.rows[-1]["action"] == "log" and safety.audit.rows[-1]["category"] == "system_prompt_leak"

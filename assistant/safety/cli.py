@@ -1,7 +1,8 @@
 """`assistant safety ...` and `assistant eval safety FILE.jsonl`.
 
-  assistant safety train [--data FILE] [--seed 0]   retrain the heads and the tuned classifier (fixed seeds)
-                                                     into assistant/safety/models [--only heads|probe|tuned]
+  assistant safety train [--data FILE] [--seed 0]   retrain the heads, the probe, the tuned classifier and the
+                                                     disclosure classifier (fixed seeds) into assistant/safety/models
+                                                     [--only heads|probe|tuned|disclosure]
   assistant safety check TEXT [--where input]        the verdict and every detector's scores
   assistant safety policy CONVERSATION [NAME]        show or choose a conversation's policy ("default" resets)
   assistant safety audit [--conversation ID]         the newest audit rows
@@ -36,9 +37,14 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
                        choices=("minilm-l6-int8+e5", "minilm-l6-int8", "minilm-l6"))
     train.add_argument("--layers", default=None, help="embedder hidden states to pool, comma-separated "
                        "(0 = embeddings, 6 = last; default: head.DEFAULT_LAYERS, 3,4,5,6)")
-    train.add_argument("--only", choices=("heads", "tuned", "probe"), default=None,
-                       help="train only the logistic heads (input stage), only the tuned classifier (passages) or "
-                            "only the probe on the chat model (the input stage's second opinion)")
+    train.add_argument("--only", choices=("heads", "tuned", "probe", "disclosure"), default=None,
+                       help="train only the logistic heads (input stage), only the tuned classifier (passages), "
+                            "only the probe on the chat model (the input stage's second opinion) or only the "
+                            "disclosure classifier (answers revealing the assistant's instructions; its own data, "
+                            "--disclosure-data)")
+    train.add_argument("--disclosure-data", default=None,
+                       help="labelled answers for the disclosure classifier (default "
+                            "tests/data/safety_disclosure_train.jsonl)")
     train.add_argument("--c", type=float, default=None,
                        help="inverse regularisation of the logistic regression (default: head.DEFAULT_C)")
     add_common(train)
@@ -98,7 +104,28 @@ def _cmd_train(args, config) -> int:
         _train_probe(args, config, rows, trained_on)
     if args.only in (None, "tuned"):
         _train_tuned(args, rows, trained_on)
+    if args.only in (None, "disclosure"):
+        _train_disclosure(args)
     return 0
+
+
+def _train_disclosure(args) -> None:
+    from assistant.safety.disclosure import DATA, DISCLOSURE_NAME, train_disclosure
+    from assistant.safety.evaluate import load_rows
+    from assistant.safety.head import HEAD_DIR, write_arrays
+
+    data = Path(args.disclosure_data or DATA)
+    started = time.perf_counter()
+    arrays, card = train_disclosure(load_rows(data), seed=args.seed)
+    card["trained_on"] = {"file": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
+                          "rows": card["num_answers"]}
+    path = write_arrays(Path(args.out) if args.out else HEAD_DIR, DISCLOSURE_NAME, arrays, card)
+    saved = json.loads(path.with_suffix(".json").read_text())
+    print(f"{DISCLOSURE_NAME} ({card['model']}, C {card['C']}): trained on {card['num_answers']} answers "
+          f"({card['num_examples']} windows) in {time.perf_counter() - started:.0f} s; saved {path} (version "
+          f"{saved['version']}, sha256 {saved['sha256'][:16]}…)")
+    print(f"  5-fold CV, answers read window by window (suggested threshold {card['suggested_threshold']}): " + "; ".join(
+        f"{t}: catch {m['caught']:.1%} fp {m['false_positives']:.1%}" for t, m in card["cv5_answers_by_threshold"].items()))
 
 
 def _train_probe(args, config, rows: list[dict], trained_on: dict) -> None:

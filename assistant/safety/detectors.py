@@ -13,6 +13,8 @@ run at which stage and the score at which each one acts. The real detectors, che
     labelled set: the reader of retrieved passages and tool results (~25 ms a 256-piece window).
   * `probe`            — our head on the packaged chat model's first 12 layers (assistant/safety/probe.py),
     ~50-100 ms: the input stage's second opinion for messages the `head` leaves in doubt.
+  * `disclosure`       — our TF-IDF + logistic regression (assistant/safety/disclosure.py) for answers that
+    reveal the assistant's own instructions, in any words. ~0.1 ms: the output stage reads every window.
   * `nanoguard`        — PyPI metatronnanoguard 0.1.0: a 16.8M-parameter transformer for prompt
     injection. The package pads every text to 512 tokens (~160-250 ms here); we run it unpadded on
     the real tokens (~15 ms), as a second opinion on retrieved and tool text, not on every message.
@@ -86,6 +88,14 @@ class OneText:
         self.analyze, self.vocabulary = vectorizer.build_analyzer(), vectorizer.vocabulary_
         self.idf, self.sublinear, self.w = np.asarray(vectorizer.idf_, dtype=np.float64), vectorizer.sublinear_tf, w
 
+    @classmethod
+    def of(cls, analyze: Any, vocabulary: dict[str, int], idf: np.ndarray, sublinear: bool, w: np.ndarray) -> "OneText":
+        """The same from stored parts (an l2-normalised TF-IDF's analyzer, vocabulary and idf): our own
+        classifiers keep plain arrays, not a pickled vectorizer (assistant/safety/disclosure.py)."""
+        one = cls.__new__(cls)
+        one.analyze, one.vocabulary, one.idf, one.sublinear, one.w = analyze, vocabulary, idf, sublinear, w
+        return one
+
     def __call__(self, text: str) -> np.ndarray:  # w's trailing shape: (F,) per fold, or () for a vector
         counts: dict[int, int] = {}
         for token in self.analyze(text):
@@ -157,6 +167,26 @@ class Profanity(_Lazy):
         if looks_foreign(text):
             return []
         return [Score("toxicity", self.probability(text), self.name)]
+
+
+class DisclosureDetector(_Lazy):
+    """Our TF-IDF classifier for answers that reveal the assistant's own instructions
+    (assistant/safety/disclosure.py), ~0.1 ms a window: the output stage's reader of paraphrased leaks."""
+
+    name = "disclosure"
+    categories = ("system_prompt_leak",)
+
+    def __init__(self, path: Any = None) -> None:
+        super().__init__()
+        self.path = path
+
+    def load(self) -> Any:
+        from assistant.safety.disclosure import DisclosureModel
+
+        return DisclosureModel.load(self.path)
+
+    def score(self, text: str) -> list[Score]:
+        return [Score("system_prompt_leak", self.model().probability(text), self.name)]
 
 
 class NanoGuard(_Lazy):
@@ -323,4 +353,4 @@ class ProbeDetector(_Lazy):
 def real_detectors(head_path: Any = None, models_dir: Any = None) -> dict[str, Detector]:
     """The product's detectors by name (each loads on first use)."""
     return {d.name: d for d in (PromptGuardrail(), Profanity(), HeadDetector(head_path), TunedDetector(head_path),
-                                NanoGuard(), ProbeDetector(head_path, models_dir))}
+                                NanoGuard(), ProbeDetector(head_path, models_dir), DisclosureDetector(head_path))}

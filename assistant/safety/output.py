@@ -28,8 +28,13 @@ Design note — hold back at most one sentence, release plain words early:
   its last space (the last word stays pending). `finish()` scans what is left.
   Redactions replace the span (`[redacted: api key]`) and emit one SafetyVerdict(stage="output",
   allowed=True) per kind; toxic text with action `block` is replaced by a notice and everything after
-  it is dropped. Because the emitter stores what the last transformer emits, the stored message holds
-  the redacted text. Every redaction and stop is audited (hash of the excerpt only).
+  it is dropped. A category the policy's [output] table names acts as it says there: a hit of the
+  `disclosure` classifier (system_prompt_leak: an answer revealing the assistant's own instructions in
+  words no pattern knows, assistant/safety/disclosure.py) has no span to cut out, so with `redact` the
+  window and the rest of the answer give way to one `[redacted: system prompt]` marker; the classifier
+  also takes part in the early-release closeness, so the words of a sentence heading for a disclosure
+  are held until it is scored whole. Because the emitter stores what the last transformer emits, the
+  stored message holds the redacted text. Every redaction and stop is audited (hash of the excerpt only).
   The answer's very first token is the one exception to "whole words only" (`_opener`): when it is,
   exactly, one of OPENERS (common words an answer starts with: "To", "The", "Yes", "In", ...) and
   nothing has been shown yet, it goes out at once, before the next token says whether its word goes
@@ -74,6 +79,7 @@ unfortunately unlike unless usually very we well what when where whether which w
 you your""".split())
 PEM_OPEN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")
 PEM_CLOSE = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY-----")
+MARKER_KINDS = {"system_prompt_leak": "system prompt"}  # the marker a classifier's redaction leaves
 STOP_NOTICE = ("[The rest of this answer was withheld by the safety policy ({category}). Ask again in other "
                "words, or ask for a neutral summary.]")
 
@@ -214,14 +220,24 @@ class OutputGuard(StreamTransformer):
         text = redact(window, redacted)
         hit = self.guard.hit(context + text, where="output", policy=self.policy) if self.guard is not None else None
         if hit is not None:
-            self._audit(hit.score.category, hit.action, hit.score.score, hit.threshold, hit.score.detector, text)
-            if hit.action == "block":
+            # a category the policy's [output] table names acts as it says there (system_prompt_leak: redact)
+            action = self.policy.output.get(hit.score.category, hit.action)
+            self._audit(hit.score.category, action, hit.score.score, hit.threshold, hit.score.detector, text)
+            if action == "redact":  # a classifier's leak: no span to cut out, so the rest of the answer goes
+                self.stopped, self.pending = True, ""
+                kind = MARKER_KINDS.get(hit.score.category, label(hit.score.category))
+                events.append(SafetyVerdict("output", True, hit.score.category,
+                                            f"The answer began to reveal {label(hit.score.category)}; the rest of it "
+                                            f"was redacted (policy '{self.policy.name}').", round(hit.score.score, 4),
+                                            hit.threshold, hit.score.detector))
+                return [*events, TextDelta(f"[redacted: {kind}]")]
+            if action == "block":
                 self.stopped, self.pending = True, ""
                 notice = STOP_NOTICE.format(category=label(hit.score.category))
                 events.append(SafetyVerdict("output", False, hit.score.category, notice, round(hit.score.score, 4),
                                             hit.threshold, hit.score.detector))
                 return [*events, TextDelta(notice)]
-            if hit.action == "warn":
+            if action == "warn":
                 events.append(SafetyVerdict("output", True, hit.score.category,
                                             f"This part of the answer may contain {label(hit.score.category)}.",
                                             round(hit.score.score, 4), hit.threshold, hit.score.detector))
