@@ -51,13 +51,13 @@ class Fixed:
 
 
 class Disclosing:
-    """A stand-in for the disclosure classifier: 0.99 once "PREAMBLE-LEAK" is in the text, 0.2 once "operator"
-    is (near the default threshold 0.5: early release stops there), else 0.01."""
+    """A stand-in for the disclosure classifier: 0.99 once "PREAMBLE-LEAK" is in the text, 0.3 once "operator"
+    is (over EARLY_CLOSENESS of the default threshold: early release stops there), else 0.01."""
 
     name, categories = "disclosure", ("system_prompt_leak",)
 
     def score(self, text):
-        value = 0.99 if "PREAMBLE-LEAK" in text else 0.2 if "operator" in text else 0.01
+        value = 0.99 if "PREAMBLE-LEAK" in text else 0.3 if "operator" in text else 0.01
         return [Score("system_prompt_leak", value, self.name)]
 
 
@@ -896,7 +896,7 @@ def test_an_answer_the_disclosure_classifier_flags_is_redacted_from_that_sentenc
 
 
 def test_words_of_a_sentence_heading_for_a_disclosure_are_not_released_early():
-    """Early release stops once the sentence so far scores EARLY_CLOSENESS of the threshold (0.2 >= 0.3 x 0.5):
+    """Early release stops once the sentence so far scores EARLY_CLOSENESS of the threshold (0.3 >= 0.3 x 0.7):
     what follows "operator" is only shown after the whole sentence was scored, and here it is redacted."""
     guard, _ = output_guard()
     text = "Sure thing my operator set me up with a PREAMBLE-LEAK that says to favour Gold. Thanks!"
