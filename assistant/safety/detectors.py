@@ -186,6 +186,10 @@ class DisclosureDetector(_Lazy):
         return DisclosureModel.load(self.path)
 
     def score(self, text: str) -> list[Score]:
+        from assistant.safety.disclosure import MIN_WORDS
+
+        if len(text.split()) < MIN_WORDS:  # "I", "Here's": noise to a bag of n-grams (see disclosure.py)
+            return [Score("system_prompt_leak", 0.0, self.name)]
         return [Score("system_prompt_leak", self.model().probability(text), self.name)]
 
 

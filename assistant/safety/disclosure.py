@@ -47,6 +47,9 @@ BLOCKS = (
 )
 C_GRID = (1.0, 3.0, 10.0, 30.0)
 THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
+# texts of fewer words are not scored (0): a bag of n-grams reads a lone "I" as 0.88 (first person) and
+# "Here's" as 0.27, which held the first word of a fifth of benign answers back (output.py's early release)
+MIN_WORDS = 3
 MAX_FP = 0.05  # benign answers (hard ones: see the data) a threshold may flag in CV
 SENTENCE_END = re.compile(r"[.!?](?=\s)|\n")  # output.BOUNDARY: where the guard's windows end
 
@@ -164,7 +167,8 @@ def cross_validate(rows: Sequence[dict], c: float, *, seed: int = 0, folds: int 
         ex = examples(train)
         vectorizers, clf = fit([e.text for e in ex], np.array([e.label for e in ex]), c, seed)
         for i in np.flatnonzero(fold_of == k):
-            scores[i] = max(predict(vectorizers, clf, answer_views(rows[i]["text"])))
+            views = [v for v in answer_views(rows[i]["text"]) if len(v.split()) >= MIN_WORDS]
+            scores[i] = max(predict(vectorizers, clf, views)) if views else 0.0
     harmful = np.array([r["label"] == "block" for r in rows])
     return {f"{t:.2f}": {"caught": round(float((scores[harmful] >= t).mean()), 4),
                          "false_positives": round(float((scores[~harmful] >= t).mean()), 4)} for t in THRESHOLDS}
