@@ -846,11 +846,18 @@ def test_cached_scores_survive_a_restart(tmp_path):
     ('const WEBHOOK_SECRET = "9a0f33c1d7e85b6042aa91fe7c3d58b0e61f2497";', "secret", "9a0f33c1d7e85b6042aa91fe7c3d58b0e61f2497"),
     ("DB_PASSWORD=Tq7!vW2mzr9", "secret", "Tq7!vW2mzr9"),
     ("Connected to redis://:Hq4xPz8kWvR2*m@cache-01.internal:6379/2", "password", "Hq4xPz8kWvR2*m"),
+    ("Log in as admin; the admin password is Vb7+++2Q*9K1#Lmt (case-sensitive).", "password", "Vb7+++2Q*9K1#Lmt"),
+    ("La red Wi-Fi usa la clave WPA2 QW84h-2Z7kp.eTrY5m. Avísame.", "password", "QW84h-2Z7kp.eTrY5m"),
+    ('do_token   = "dop_v1_4be30778c219f214c82f3cbf38d55fa23db5658"', "secret", "dop_v1_4be30778c219f214c82f3cbf38d55fa23db5658"),
+    ('    client_credential="4kd8Q~ppWvBq2RT~SbVgadxKi-oFrt1izOWqH6L",', "secret", "4kd8Q~ppWvBq2RT~SbVgadxKi-oFrt1izOWqH6L"),
+    ("Write to her at petra.holub (at) seznam (dot) cz about the dates.", "email", "petra.holub (at) seznam (dot) cz"),
+    ("The card on file is 4111 1111 1111 1111, expiring 04/27.", "card number", "4111 1111 1111 1111"),
 ])
 def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kind, value):
     """Phone numbers with an 00 prefix, a lone digit after the country code, 8-digit groups or dots; an
     announcement of the assistant's own instructions in either order ("my prompt ..., here it is:"); a
-    secret named at the end of a longer name (WEBHOOK_SECRET); a URL's password without a user name."""
+    secret named at the end of a longer name (WEBHOOK_SECRET); a URL's password without a user name; a password
+    in prose (seven languages); an address written "(at) ... (dot)"; a test card number outside a test."""
     found = [(f.kind, text[f.start:f.end]) for f in find(text, None)]
     assert any(k == kind and v.startswith(value) for k, v in found), found
 
@@ -862,11 +869,25 @@ def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kin
     "Here are the rules of chess: the king moves one square in any direction, the queen any distance.",
     "Here is a system prompt you could use for your own bot: You are a helpful cooking assistant.",
     "Commit a .env.example:\n\nSLACK_SIGNING_SECRET=\nDATABASE_URL=\n",  # an empty value, then the next line
+    "The genesis block paid 1A1zP1eP5QGefi2DMPTfTL5SLmv7DivfNa, a public address.",
+    "Paste it into GitHub: ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIJyYDM3GTfjE76WsuK9hXrqVLLew8cGFOjnbrMSdtCU2 me@laptop",
+    "  password = var.db_password\n  token = secrets.DEPLOY_TOKEN",
+    "POSTGRES_PASSWORD: ${POSTGRES_PASSWORD:?set it in .env}",
+    "The image's default is postgresql://postgres:postgres@localhost:5432/postgres.",
+    "In Stripe's test mode use 4242 4242 4242 4242 with any future expiry date.",
+    "Microsoft's main switchboard number is +1 (425) 882-8080.",
+    "Use ID+username@users.noreply.github.com to keep your address private.",
+    "The fictional number (555) 010-0199 becomes +15550100199; format cells as (000) 000-0000.",
+    "The password must be at least 12 characters long and is printed on the router's label.",
+    "Use postgres://USER:PASSWORD@localhost:5432/app_dev and fill in your own values.",
 ])
 def test_organisations_public_contacts_ip_addresses_and_other_rules_pass(text):
-    """Toll-free numbers and role mailboxes belong to organisations; dotted IPs and versions are no phone
-    numbers; rules that are not the assistant's own are not a leak (a prompt written for the user's bot is
-    the user's: it does not announce the assistant's own instructions)."""
+    """Toll-free numbers, switchboards and role or noreply mailboxes belong to organisations; dotted IPs and
+    versions are no phone numbers, nor are numbers that cannot exist ((555) 010-..., all zeros); rules that
+    are not the assistant's own are not a leak (a prompt written for the user's bot is the user's: it does
+    not announce the assistant's own instructions); public keys and Bitcoin addresses are public; a
+    reference to where a secret is kept, a default login (postgres:postgres) and a test card in a test
+    are no secrets."""
     assert find(text, None) == [], [(f.kind, text[f.start:f.end]) for f in find(text, None)]
 
 
@@ -922,3 +943,13 @@ def test_a_policy_that_logs_leaks_lets_the_classifier_hit_through(tmp_path):
     answer = "Fine: the PREAMBLE-LEAK says to push Gold. Bye."
     assert shown(stream(guard, answer)) == answer
     assert safety.audit.rows[-1]["action"] == "log" and safety.audit.rows[-1]["category"] == "system_prompt_leak"
+
+
+def test_a_test_card_passes_after_a_test_mode_sentence_in_the_stream_and_not_elsewhere():
+    """The words around a number are read across windows (redact.find's `before`: what the guard showed)."""
+    guard, _ = output_guard()
+    text = "For payments in Stripe's test mode, use these:\n\n- `4242 4242 4242 4242` always succeeds.\n"
+    assert shown(stream(guard, text)) == text
+    guard, _ = output_guard()
+    out = shown(stream(guard, "Your card is saved.\n\nCard: 4242 4242 4242 4242, expiring 04/29.\n"))
+    assert "4242 4242" not in out and "[redacted: card number]" in out

@@ -79,6 +79,7 @@ unfortunately unlike unless usually very we well what when where whether which w
 you your""".split())
 PEM_OPEN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")
 PEM_CLOSE = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY-----")
+SHOWN_TAIL = 800  # characters of the answer shown so far kept for redact.find's context rules
 MARKER_KINDS = {"system_prompt_leak": "system prompt"}  # the marker a classifier's redaction leaves
 STOP_NOTICE = ("[The rest of this answer was withheld by the safety policy ({category}). Ask again in other "
                "words, or ask for a neutral summary.]")
@@ -97,6 +98,7 @@ class OutputGuard(StreamTransformer):
         self.sentence = ""  # what was released of the unfinished sentence (words released early)
         self.stopped = False
         self.shown = False  # whether anything of the answer went out yet (`_opener` reads it)
+        self.shown_text = ""  # the end of what went out: the words around a number (redact.find's `before`)
         self._reported: set[str] = set()
 
     def for_turn(self, conversation_id: str | None, *, protect: Sequence[str] = ()) -> "OutputGuard":
@@ -205,7 +207,7 @@ class OutputGuard(StreamTransformer):
         events: list[TurnEvent] = []
         context = self.sentence  # already shown: scanned again only as context for what follows it
         findings = [Finding(max(f.start - len(context), 0), f.end - len(context), f.category, f.kind)
-                    for f in find(context + window, self.leaks)
+                    for f in find(context + window, self.leaks, before=self.shown_text[:len(self.shown_text) - len(context)])
                     if f.end > len(context) and self.policy.output_action(f.category) != "allow"]
         redacted = [f for f in findings if self.policy.output_action(f.category) == "redact"]
         for f in findings:
@@ -244,6 +246,7 @@ class OutputGuard(StreamTransformer):
         sentence = context + text  # the next character tells whether a final "." ends the sentence
         self.sentence = sentence[self._last_boundary(sentence + self.pending[:1]):]
         self.shown = self.shown or bool(text)
+        self.shown_text = (self.shown_text + text)[-SHOWN_TAIL:]
         return [*events, TextDelta(text)] if text else events
 
     def _audit(self, category: str, action: str, score: float, threshold: float, detector: str, excerpt: str) -> None:

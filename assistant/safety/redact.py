@@ -1,8 +1,9 @@
 """Patterns for what an answer must not carry: secrets, card numbers, private emails and phone
 numbers, and verbatim pieces of the system prompt.
 
-These are rules on purpose: a key has a format, a card number has a checksum (Luhn), and a leak of
-the system prompt is a verbatim copy; a classifier would only blur that. Each finding is a span with
+These are rules on purpose: a key has a format, a card number has a checksum (Luhn), and a verbatim
+leak of the system prompt is a copy; a classifier would only blur that. (A leak in other words is the
+output stage's `disclosure` classifier's, assistant/safety/disclosure.py.) Each finding is a span with
 its category and kind; `redact()` replaces the spans with a marker such as `[redacted: api key]`.
 Kept deliberately strict, so documentation placeholders (`sk-...`, `help@example.com`, version
 numbers, hashes, dates, ISBNs, IP addresses) pass.
@@ -13,9 +14,16 @@ capitalised word (`USER:PASSWORD@`, `YOUR_API_KEY`), or has too few distinct cha
 (`sk-aaaaaaaaaaaaaaaaaaaa`). AWS's documented sample pair (`AKIAIOSFODNN7EXAMPLE`) is such a value.
 A real key has none of these marks, so recall on real-looking keys is unchanged. So do a value that is
 the code reading the secret (`os.environ["KEY"]`) and telephone numbers reserved for fiction
-(`FICTIONAL_PHONE`: 555, Ofcom's drama ranges). Card numbers are redacted whenever they pass Luhn,
-the processors' published test numbers included (no context tells a test number in an answer from a
-card someone is about to charge).
+(`FICTIONAL_PHONE`: 555, Ofcom's drama ranges), and so are a reference to where a secret is kept
+(`var.db_password`, `secrets.TOKEN`), a login that repeats its user (`postgres:postgres@`), values public
+by nature (an SSH public key, a Bitcoin address: `PUBLIC_VALUE`), numbers that cannot be anyone's
+(all zeros), organisations' lines (a number just after "switchboard", "hotline", "customer service":
+`ORGANISATION_LINE`) and noreply addresses. Card numbers are redacted whenever they pass Luhn, except
+a network's or processor's published test number in an answer about testing (`TEST_CARDS`,
+`TEST_CONTEXT`; "the card on file is 4111 ..." is still redacted). The rules that read the words around
+a number see the answer's earlier text too (`find(..., before=)`), so "test mode" in one sentence
+covers the list of numbers below it. Passwords in prose ("the admin password is ...", in seven
+languages) need a token with a letter and a digit; "(at) ... (dot)" addresses count as emails.
 
 The system prompt is protected two ways: verbatim runs of >= NGRAM of its words (`LeakMatcher`, which
 needs the prompt), and an answer that announces it is quoting its own instructions ("my instructions
@@ -43,18 +51,27 @@ SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)
     ("token", r"\bhf_[A-Za-z0-9]{30,}"),
     ("token", r"\bnpm_[A-Za-z0-9]{36}"),
     ("token", r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),  # JWT
-    ("password", r"://[^\s:/@]*:(?P<v>[^\s@/]+)@"),  # user:password@ (or :password@, Redis) in a URL
+    ("password", r"://(?P<u>[^\s:/@]*):(?P<v>[^\s@/]+)@"),  # user:password@ (or :password@, Redis) in a URL
     # key = value / key: value assignments of something secret-looking (only the value is redacted); the key
     # may end a longer name (WEBHOOK_SECRET, DB_PASSWORD)
-    ("secret", r"(?i)(?:\b|(?<=_))(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token)\w*"
-               r"[\"']?[ \t]?[:=][ \t]?[\"']?(?P<v>[^\s\"';,]{6,})"),  # on its line (`SECRET=` then a newline is empty), to a ; or ,
+    ("secret", r"(?i)(?:\b|(?<=_))(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token"
+               r"|credential)\w*[\"']?[ \t]*[:=][ \t]*[\"']?(?P<v>[^\s\"';,]{6,})"),  # on its line (`SECRET=` then a newline is empty), to a ; or ,
     ("secret", r"(?i)\b(?:token|secret|password|key) (?P<v>(?=[A-Za-z0-9/+_=-]*\d)[A-Za-z0-9/+_=-]{16,})"),
+    # a password in prose, in seven languages: "the admin password is j4i+++3Y*7I2#Yqm", "la contraseña =IY-6h...",
+    # "clave WPA2 YT36g-3V2jq": up to three words after the keyword, then a token of 8+ characters with a
+    # letter and a digit (so "must be 12 characters long" and "is on the router's label" pass)
+    ("password", r"(?i)\b(?:password|passphrase|passcode|passwort|kennwort|contrase[ñn]a|clave|mot de passe|senha"
+                 r"|wachtwoord)(?:\s+[\w-]{1,12}){0,3}?(?:\s+(?:is|es|ist|est|é|was|lautet|are))?(?:\s*[:=]\s*|\s+)[\"'`]?"
+                 r"(?P<v>(?=[^\s\"'`]*\d)(?=[^\s\"'`]*[A-Za-z])[^\s\"'`]{8,}?)(?=[\"'`]?[.,;:)]?(?:\s|$))"),
     # long random-looking tokens: upper, lower and digits mixed, 32+ chars
     ("secret", r"(?<![A-Za-z0-9/+_=-])(?=[A-Za-z0-9/+_=-]*[A-Z])(?=[A-Za-z0-9/+_=-]*[a-z])(?=[A-Za-z0-9/+_=-]*\d)"
                r"[A-Za-z0-9/+_=-]{32,}"),
 ))
 CARD = re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])")
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@([A-Za-z0-9-]+\.)+[A-Za-z]{2,}\b")
+# an address written so scrapers miss it: "jana.novakova (at) seznam (dot) cz", "jo [at] mail [dot] de"
+OBFUSCATED_EMAIL = re.compile(r"(?i)\b[A-Za-z0-9._%+-]+\s*(?:\(at\)|\[at\]|\{at\}|<at>|\sat\s)\s*[A-Za-z0-9-]+"
+                              r"(?:\s*(?:\(dot\)|\[dot\]|\{dot\}|<dot>|\sdot\s)\s*[A-Za-z0-9-]+)+\b")
 # an optional international prefix (+49, 0033; then a lone digit may follow: +33 6 ...; +44 (0)20 ...), an
 # optional area code in brackets, groups of 2-8 digits split by spaces, dashes or dots
 PHONE = re.compile(r"(?<![\w.+-])(?:(?:\+|00)\d{1,3}[ .-]?(?:\(0\)[ .-]?)?(?:\d[ .-])?)?(?:\(\d{1,4}\)[ .-]?)?"
@@ -69,7 +86,7 @@ ROLE_MAILBOX = re.compile(r"(?i)^(?:support|security|info|help|contact|sales|pre
                           r"|customer[._-]?service|dpo|psirt|cert|noc|security-alert|secalert)@")
 DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:example|test|invalid|localhost))$",
                          re.IGNORECASE)
-PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|changeme|redacted|your[_-]|<[^>]*>|\$\{\w+\}|^\$\w+$"
+PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|changeme|redacted|your[_-]|<[^>]*>|\$\{\w+|^\$\w+$"
                          r"|x{4,}|\*{3,}|\.{3}|…|\b(?:foo|bar|abc|1234)\b")
 _MY_INSTRUCTIONS = (  # first person, or "the system prompt"; English, Spanish, French, German, Italian, Portuguese
     r"my\s+(?:(?:full|complete|entire|exact|system|initial|hidden|original|internal|developer|secret"
@@ -99,10 +116,30 @@ SELF_DUMP_OPEN = re.compile(rf"(?i)\b(?:(?:{_DISCLOSE})\s+(?:[^:\n]{{0,40}}?\s)?
 SELF_DUMP = re.compile(SELF_DUMP_OPEN.pattern + r"\s*(?P<v>[\s\S]{40,})")
 PLACEHOLDER_WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token", "apikey", "api_key", "key",
                                "user", "username", "mypassword", "yourpassword", "pa55word", "letmein"})
-# telephone numbers set aside for fiction and documentation: NANP 555 exchange, Ofcom's drama ranges
-FICTIONAL_PHONE = re.compile(r"^(?:1?\d{3}555\d{4}|(?:44|0)(?:2079460|1134960|1144960|1154960|1164960|1174960"
+# telephone numbers set aside for fiction and documentation: NANP 555 exchange, area code 555 with an exchange
+# that cannot exist (0 or 1 first: "(555) 010-0199"), Ofcom's drama ranges
+FICTIONAL_PHONE = re.compile(r"^(?:1?\d{3}555\d{4}|1?555[01]\d{6}|(?:44|0)(?:2079460|1134960|1144960|1154960|1164960|1174960"
                              r"|1184960|1214960|1314960|1414960|1514960|1614960|1632960|7700900|8081570|9098790"
                              r"|3069990|2896496|2920180)\d{3})$")
+# a configuration language's reference to a secret kept elsewhere (Terraform, Actions, Ansible, settings objects)
+REFERENCE = re.compile(r"(?i)(?:var|vars|local|locals|data|module|secrets|env|settings|config|params|values)\.\w[\w.]*")
+# public by nature, though long and random-looking: an SSH public key's body (its algorithm name base64-encoded
+# at the start: ssh-rsa, ssh-ed25519, ecdsa-sha2-...) and a Bitcoin address (base58 or bech32)
+PUBLIC_VALUE = re.compile(r"AAAA(?:B3NzaC1|C3NzaC1|E2VjZHNh)[A-Za-z0-9+/=]*|[13][1-9A-HJ-NP-Za-km-z]{25,34}"
+                          r"|bc1[02-9ac-hj-np-z]{11,71}")
+# card networks' and processors' published test numbers (Visa's 4111..., Stripe's 4242..., ...): nobody's card,
+# so in an answer about testing (TEST_CONTEXT) they pass; anywhere else ("the card on file is 4111 ...") they
+# are redacted like any card: the answer may be quoting what someone typed into a real form
+TEST_CARDS = frozenset("""4111111111111111 4012888888881881 4222222222222 4242424242424242 4000056655665556
+5555555555554444 2223003122003222 5200828282828210 5105105105105100 378282246310005 371449635398431
+378734493671000 6011111111111117 6011000990139424 3056930009020004 36227206271667 3566002020360505
+6200000000000005 4000000000000002 4000000000009995 4000002500003155 4000000000000077 4000000000000341
+4000000000003220 4000000000000069 4000000000000127 4000000000000119 4000002760003184 4000000000000101""".split())
+TEST_CONTEXT = re.compile(r"(?i)\btest|sandbox")
+# a phone number this close after one of these words is an organisation's line, not a person's
+ORGANISATION_LINE = re.compile(r"(?i)\b(?:switchboard|hotline|helpline|headquarters|head office|main (?:line|number|office)"
+                               r"|comment line|customer (?:service|support|care)|call (?:cent(?:er|re))|front desk"
+                               r"|reception|box office|press office|information line|public line)\b[^.\n]{0,60}$")
 NGRAM = 8  # words of the system prompt repeated in a row that count as a leak
 
 
@@ -120,6 +157,8 @@ def placeholder(value: str) -> bool:
     if PLACEHOLDER.search(body) or body.lower() in PLACEHOLDER_WORDS:  # user:password@, token=token
         return True
     if re.search(r"[(\[]|^(?:os\.|process\.env|getenv|env\b|\$\()", body):  # code that reads it: os.environ[...]
+        return True
+    if REFERENCE.fullmatch(body):  # a reference to where it is kept: var.db_password, secrets.API_TOKEN
         return True
     if re.fullmatch(r"[A-Z][A-Z_]*", body):  # USER, PASSWORD, YOUR_API_KEY, DBNAME
         return True
@@ -199,8 +238,11 @@ def words(text: str) -> list[tuple[str, int, int]]:
     return [(m.group().lower(), m.start(), m.end()) for m in re.finditer(r"[A-Za-z0-9]+(?:'[A-Za-z0-9]+)*", text)]
 
 
-def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
-    """Non-overlapping findings in `text`, in order (the earliest, then longest, wins an overlap)."""
+def find(text: str, leaks: LeakMatcher | None = None, *, before: str = "") -> list[Finding]:
+    """Non-overlapping findings in `text`, in order (the earliest, then longest, wins an overlap). `before`:
+    the answer's text before `text` (output.py passes what it released), read by the rules that look at
+    the words around a number (a test card in "test mode", an organisation's switchboard), never scanned."""
+    around = before[-400:] + text
     found: list[Finding] = []
     for kind, pattern in SECRET_PATTERNS:
         for m in pattern.finditer(text):
@@ -210,17 +252,21 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
                 body = re.sub(r"-----[^-]*-----|\s", "", value)
                 if len(body) < 16 or re.search(r"\.{3}|…|<|(?i:example|your)", body):
                     continue  # "-----BEGIN PRIVATE KEY-----\n...\n-----END PRIVATE KEY-----"
-            elif placeholder(value):
+            elif placeholder(value) or PUBLIC_VALUE.fullmatch(value):
                 continue
+            elif "u" in pattern.groupindex and m.group("u") == value:
+                continue  # postgres:postgres@, guest:guest@: a default login, the same word twice
             found.append(Finding(m.start(group), m.end(group), "secret", kind))
     for m in CARD.finditer(text):
         digits = re.sub(r"\D", "", m.group())
-        if _card_like(digits):  # a processor's published test number too: redacting it costs little
+        if _card_like(digits) and not (digits in TEST_CARDS and TEST_CONTEXT.search(around)):
             found.append(Finding(m.start(), m.end(), "pii", "card number"))
     for m in EMAIL.finditer(text):
         before = text[:m.start()]
         in_url = bool(before) and not before[-1].isspace() and "://" in before.rsplit(None, 1)[-1]
-        if not DOC_DOMAINS.search(m.group()) and not ROLE_MAILBOX.match(m.group()) and not in_url:  # user:password@host is the URL's
+        noreply = re.search(r"(?i)@(?:[\w-]+\.)*no-?reply\.", m.group())  # ID+user@users.noreply.github.com
+        if not DOC_DOMAINS.search(m.group()) and not ROLE_MAILBOX.match(m.group()) and not in_url \
+                and not noreply:  # user:password@host is the URL's
             found.append(Finding(m.start(), m.end(), "pii", "email"))
     for m in PHONE.finditer(text):
         digits = re.sub(r"\D", "", m.group())
@@ -229,8 +275,12 @@ def find(text: str, leaks: LeakMatcher | None = None) -> list[Finding]:
         if dotted and (IPV4.fullmatch(m.group()) or re.search(r"(?:^|\.)\d(?:\.|$)", m.group())):
             continue  # an IP address or a version number (1.2.3), not a phone number
         if 9 <= len(digits) <= 15 and formatted and not _card_like(digits) and not _date_like(m.group()) \
-                and not FICTIONAL_PHONE.match(digits) and not TOLL_FREE.match(digits):
+                and not FICTIONAL_PHONE.match(digits) and not TOLL_FREE.match(digits) and len(set(digits)) > 2 \
+                and not ORGANISATION_LINE.search(around[max(0, len(around) - len(text) + m.start() - 120):
+                                                        len(around) - len(text) + m.start()]):
             found.append(Finding(m.start(), m.end(), "pii", "phone number"))
+    for m in OBFUSCATED_EMAIL.finditer(text):
+        found.append(Finding(m.start(), m.end(), "pii", "email"))
     if leaks is not None:
         found += leaks.find(text)
     for pattern in (SELF_QUOTE, SELF_DUMP):
