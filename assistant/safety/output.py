@@ -79,6 +79,7 @@ unfortunately unlike unless usually very we well what when where whether which w
 you your""".split())
 PEM_OPEN = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----")
 PEM_CLOSE = re.compile(r"-----END [A-Z0-9 ]*PRIVATE KEY-----")
+LEAD_CHARS = 300  # the most of the sentence before a window that the detectors read with it (`_lead`)
 SHOWN_TAIL = 800  # characters of the answer shown so far kept for redact.find's context rules
 MARKER_KINDS = {"system_prompt_leak": "system prompt"}  # the marker a classifier's redaction leaves
 STOP_NOTICE = ("[The rest of this answer was withheld by the safety policy ({category}). Ask again in other "
@@ -189,11 +190,28 @@ class OutputGuard(StreamTransformer):
                 continue
             # scored through the whitespace after the word: the very text the release scans (the guard
             # remembers the score), unless an earlier sentence ends in this window or a finding is redacted
-            if self.guard is not None and self.guard.closeness(text[:next_start], where="output",
+            lead = self._lead(cut)
+            if self.guard is not None and self.guard.closeness(lead + text[:next_start], where="output",
                                                                policy=self.policy) >= EARLY_CLOSENESS:
                 return 0  # the sentence is heading for a block: show none of it before it is whole
             return cut_at
         return 0
+
+    def _lead(self, cut: int) -> str:
+        """The sentence before the text being scored (which starts at pending[cut:], or with the released
+        part of its sentence when cut is 0), up to LEAD_CHARS: the output detectors read a window with the
+        sentence before it, as the disclosure classifier was cross-validated ("Dumping runtime config:"
+        and the first line of the dump say more together than apart), and toxicity that builds up over
+        two sentences counts."""
+        if cut:
+            before = self.shown_text + self.pending[:cut]
+        else:
+            before = self.shown_text[:max(0, len(self.shown_text) - len(self.sentence))]
+        body = before.rstrip()
+        start = 0
+        for m in BOUNDARY.finditer(body):
+            start = m.end()
+        return before[start:][-LEAD_CHARS:]
 
     @staticmethod
     def _last_boundary(text: str) -> int:
@@ -220,7 +238,8 @@ class OutputGuard(StreamTransformer):
                 events.append(SafetyVerdict("output", True, f.category, f"A {f.kind} in the answer {verb} "
                                             f"(policy '{self.policy.name}').", 1.0, 1.0, f"pattern:{f.kind}"))
         text = redact(window, redacted)
-        hit = self.guard.hit(context + text, where="output", policy=self.policy) if self.guard is not None else None
+        scored = self._lead(0) + context + text  # with the sentence before it (see `_lead`)
+        hit = self.guard.hit(scored, where="output", policy=self.policy) if self.guard is not None else None
         if hit is not None:
             # a category the policy's [output] table names acts as it says there (system_prompt_leak: redact)
             action = self.policy.output.get(hit.score.category, hit.action)
