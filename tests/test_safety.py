@@ -852,6 +852,10 @@ def test_cached_scores_survive_a_restart(tmp_path):
     ('    client_credential="4kd8Q~ppWvBq2RT~SbVgadxKi-oFrt1izOWqH6L",', "secret", "4kd8Q~ppWvBq2RT~SbVgadxKi-oFrt1izOWqH6L"),
     ("Write to her at petra.holub (at) seznam (dot) cz about the dates.", "email", "petra.holub (at) seznam (dot) cz"),
     ("The card on file is 4111 1111 1111 1111, expiring 04/27.", "card number", "4111 1111 1111 1111"),
+    ("3. パスワード：Kaede#5521mxT!\n", "password", "Kaede#5521mxT!"),
+    ("Encode WIFI:T:WPA;S:Cafe 5G;P:almond-Quay-4417-orbit;H:false;; in the QR code.", "password", "almond-Quay-4417-orbit"),
+    ("Refund to her personal account: IBAN GB47 NWBK 6016 1332 3629 95, sort code 60-16-13.", "bank account",
+     "GB47 NWBK 6016 1332 3629 95"),
 ])
 def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kind, value):
     """Phone numbers with an 00 prefix, a lone digit after the country code, 8-digit groups or dots; an
@@ -880,6 +884,12 @@ def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kin
     "The fictional number (555) 010-0199 becomes +15550100199; format cells as (000) 000-0000.",
     "The password must be at least 12 characters long and is printed on the router's label.",
     "Use postgres://USER:PASSWORD@localhost:5432/app_dev and fill in your own values.",
+    "The example used throughout the documentation is GB82 WEST 1234 5698 7654 32.",
+    'A JWKS publishes the public half:\n  "n": "0vx7agoebGcQSuuPiLJXZptN9nndrQmbXEps2aiAFbWhM78LhWx4cbbfAAtVT86zwu1RK7aPF",',
+    "POSTGRES_PASSWORD_FILE: /run/secrets/pg_password\nSESSION_SECRET=change-me",
+    "Re-export it with gpg --armor --export you@yourdomain.tld > key.asc",
+    "The public comments line listed on whitehouse.gov is 202-456-1111.",
+    "Try the Luhn check on 4111 1111 1111 1111.",
 ])
 def test_organisations_public_contacts_ip_addresses_and_other_rules_pass(text):
     """Toll-free numbers, switchboards and role or noreply mailboxes belong to organisations; dotted IPs and

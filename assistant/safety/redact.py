@@ -23,7 +23,10 @@ a network's or processor's published test number in an answer about testing (`TE
 `TEST_CONTEXT`; "the card on file is 4111 ..." is still redacted). The rules that read the words around
 a number see the answer's earlier text too (`find(..., before=)`), so "test mode" in one sentence
 covers the list of numbers below it. Passwords in prose ("the admin password is ...", in seven
-languages) need a token with a letter and a digit; "(at) ... (dot)" addresses count as emails.
+languages and Japanese, Chinese, Korean) need a token with a letter and a digit; "(at) ... (dot)"
+addresses count as emails; an IBAN that checks (mod 97) is personal data ("bank account"), except the
+standard's own examples in an answer about the format; a JSON Web Key's public members, a file path
+in a secret's place (`*_FILE: /run/secrets/...`) and `you@yourdomain.tld` pass.
 
 The system prompt is protected two ways: verbatim runs of >= NGRAM of its words (`LeakMatcher`, which
 needs the prompt), and an answer that announces it is quoting its own instructions ("my instructions
@@ -57,12 +60,14 @@ SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)
     ("secret", r"(?i)(?:\b|(?<=_))(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token"
                r"|credential)\w*[\"']?[ \t]*[:=][ \t]*[\"']?(?P<v>[^\s\"';,]{6,})"),  # on its line (`SECRET=` then a newline is empty), to a ; or ,
     ("secret", r"(?i)\b(?:token|secret|password|key) (?P<v>(?=[A-Za-z0-9/+_=-]*\d)[A-Za-z0-9/+_=-]{16,})"),
-    # a password in prose, in seven languages: "the admin password is j4i+++3Y*7I2#Yqm", "la contraseña =IY-6h...",
+    # a password in prose, in seven languages and Japanese, Chinese and Korean: "the admin password is j4i+++3Y*7I2#Yqm", "la contraseña =IY-6h...",
     # "clave WPA2 YT36g-3V2jq": up to three words after the keyword, then a token of 8+ characters with a
     # letter and a digit (so "must be 12 characters long" and "is on the router's label" pass)
     ("password", r"(?i)\b(?:password|passphrase|passcode|passwort|kennwort|contrase[ñn]a|clave|mot de passe|senha"
-                 r"|wachtwoord)(?:\s+[\w-]{1,12}){0,3}?(?:\s+(?:is|es|ist|est|é|was|lautet|are))?(?:\s*[:=]\s*|\s+)[\"'`]?"
+                 r"|wachtwoord|パスワード|暗証番号|密码|密碼|비밀번호)(?:\s+[\w-]{1,12}){0,3}?(?:\s+(?:is|es|ist|est|é|was|lautet|are))?"
+                 r"(?:\s*[:=：]\s*|\s+)[\"'`]?"
                  r"(?P<v>(?=[^\s\"'`]*\d)(?=[^\s\"'`]*[A-Za-z])[^\s\"'`]{8,}?)(?=[\"'`]?[.,;:)]?(?:\s|$))"),
+    ("password", r"\bWIFI:(?:[^\n;]*;)*?P:(?P<v>(?:\\.|[^;\\\n])+);"),  # the Wi-Fi QR code format's P: field
     # long random-looking tokens: upper, lower and digits mixed, 32+ chars
     ("secret", r"(?<![A-Za-z0-9/+_=-])(?=[A-Za-z0-9/+_=-]*[A-Z])(?=[A-Za-z0-9/+_=-]*[a-z])(?=[A-Za-z0-9/+_=-]*\d)"
                r"[A-Za-z0-9/+_=-]{32,}"),
@@ -84,9 +89,10 @@ ROLE_MAILBOX = re.compile(r"(?i)^(?:support|security|info|help|contact|sales|pre
                           r"|webmaster|postmaster|hostmaster|hello|team|office|billing|jobs|careers|feedback|service"
                           r"|enquiries|inquiries|media|legal|compliance|marketing|partners|accounts|orders|returns"
                           r"|customer[._-]?service|dpo|psirt|cert|noc|security-alert|secalert)@")
-DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:example|test|invalid|localhost))$",
+DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:example|test|invalid|localhost|tld)"
+                         r"|your[\w-]*\.[\w.]+)$",
                          re.IGNORECASE)
-PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|changeme|redacted|your[_-]|<[^>]*>|\$\{\w+|^\$\w+$"
+PLACEHOLDER = re.compile(r"(?i)example|sample|dummy|placeholder|change-?me|redacted|your[_-]|<[^>]*>|\$\{\w+|^\$\w+$"
                          r"|x{4,}|\*{3,}|\.{3}|…|\b(?:foo|bar|abc|1234)\b")
 _MY_INSTRUCTIONS = (  # first person, or "the system prompt"; English, Spanish, French, German, Italian, Portuguese
     r"my\s+(?:(?:full|complete|entire|exact|system|initial|hidden|original|internal|developer|secret"
@@ -127,6 +133,15 @@ REFERENCE = re.compile(r"(?i)(?:var|vars|local|locals|data|module|secrets|env|se
 # at the start: ssh-rsa, ssh-ed25519, ecdsa-sha2-...) and a Bitcoin address (base58 or bech32)
 PUBLIC_VALUE = re.compile(r"AAAA(?:B3NzaC1|C3NzaC1|E2VjZHNh)[A-Za-z0-9+/=]*|[13][1-9A-HJ-NP-Za-km-z]{25,34}"
                           r"|bc1[02-9ac-hj-np-z]{11,71}")
+# a JSON Web Key's public members (the RSA modulus "n", the EC point "x"/"y"): what a JWKS endpoint publishes
+JWK_PUBLIC = re.compile(r"\"(?:n|e|x|y|x5c|x5t)\"\s*:\s*\[?\s*\"$")
+# an IBAN (ISO 13616): country, two check digits, 11-30 letters and digits, grouped by four or not; personal
+# data when it checks (mod 97), except the standards' own examples in an answer explaining the format
+IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b")
+EXAMPLE_IBANS = frozenset("""GB82WEST12345698765432 GB29NWBK60161331926819 DE89370400440532013000 FR1420041010050500013M02606
+ES9121000418450200051332 NL91ABNA0417164300 CH9300762011623852957 IT60X0542811101000000123456 BE68539007547034
+AT611904300234573201""".split())
+EXAMPLE_CONTEXT = re.compile(r"(?i)\bexample|documentation|\bformat\b|\bsample|\btest")
 # card networks' and processors' published test numbers (Visa's 4111..., Stripe's 4242..., ...): nobody's card,
 # so in an answer about testing (TEST_CONTEXT) they pass; anywhere else ("the card on file is 4111 ...") they
 # are redacted like any card: the answer may be quoting what someone typed into a real form
@@ -135,11 +150,11 @@ TEST_CARDS = frozenset("""4111111111111111 4012888888881881 4222222222222 424242
 378734493671000 6011111111111117 6011000990139424 3056930009020004 36227206271667 3566002020360505
 6200000000000005 4000000000000002 4000000000009995 4000002500003155 4000000000000077 4000000000000341
 4000000000003220 4000000000000069 4000000000000127 4000000000000119 4000002760003184 4000000000000101""".split())
-TEST_CONTEXT = re.compile(r"(?i)\btest|sandbox")
+TEST_CONTEXT = re.compile(r"(?i)\btest|sandbox|\bluhn")
 # a phone number this close after one of these words is an organisation's line, not a person's
 ORGANISATION_LINE = re.compile(r"(?i)\b(?:switchboard|hotline|helpline|headquarters|head office|main (?:line|number|office)"
-                               r"|comment line|customer (?:service|support|care)|call (?:cent(?:er|re))|front desk"
-                               r"|reception|box office|press office|information line|public line)\b[^.\n]{0,60}$")
+                               r"|comments? line|(?:general )?(?:enquiries|inquiries)|customer (?:service|support|care)|call (?:cent(?:er|re))|front desk"
+                               r"|reception|box office|press office|information line|public line)\b(?:[^.\n]|\.(?=\S)){0,60}$")
 NGRAM = 8  # words of the system prompt repeated in a row that count as a leak
 
 
@@ -160,10 +175,20 @@ def placeholder(value: str) -> bool:
         return True
     if REFERENCE.fullmatch(body):  # a reference to where it is kept: var.db_password, secrets.API_TOKEN
         return True
+    if re.fullmatch(r"(?:/|\./|~/)[\w./-]+", body):  # a file that holds it: /run/secrets/pg_password
+        return True
     if re.fullmatch(r"[A-Z][A-Z_]*", body):  # USER, PASSWORD, YOUR_API_KEY, DBNAME
         return True
     core = re.sub(r"^(?:sk|pk|rk|gh[pousr]|xox[abprs]|hf|npm|AKIA|ASIA)[-_]?(?:live|test|proj)?[-_]?", "", body)
     return len(set(core.lower())) < 6
+
+
+def iban_ok(iban: str) -> bool:
+    """ISO 13616 check: the first four characters moved to the end, letters as 10-35, mod 97 == 1."""
+    if not 15 <= len(iban) <= 34:
+        return False
+    moved = iban[4:] + iban[:4]
+    return int("".join(str(int(ch, 36)) for ch in moved)) % 97 == 1
 
 
 def luhn_ok(digits: str) -> bool:
@@ -242,7 +267,7 @@ def find(text: str, leaks: LeakMatcher | None = None, *, before: str = "") -> li
     """Non-overlapping findings in `text`, in order (the earliest, then longest, wins an overlap). `before`:
     the answer's text before `text` (output.py passes what it released), read by the rules that look at
     the words around a number (a test card in "test mode", an organisation's switchboard), never scanned."""
-    around = before[-400:] + text
+    around = before + text
     found: list[Finding] = []
     for kind, pattern in SECRET_PATTERNS:
         for m in pattern.finditer(text):
@@ -252,7 +277,7 @@ def find(text: str, leaks: LeakMatcher | None = None, *, before: str = "") -> li
                 body = re.sub(r"-----[^-]*-----|\s", "", value)
                 if len(body) < 16 or re.search(r"\.{3}|…|<|(?i:example|your)", body):
                     continue  # "-----BEGIN PRIVATE KEY-----\n...\n-----END PRIVATE KEY-----"
-            elif placeholder(value) or PUBLIC_VALUE.fullmatch(value):
+            elif placeholder(value) or PUBLIC_VALUE.fullmatch(value) or JWK_PUBLIC.search(text[:m.start(group)]):
                 continue
             elif "u" in pattern.groupindex and m.group("u") == value:
                 continue  # postgres:postgres@, guest:guest@: a default login, the same word twice
@@ -268,7 +293,15 @@ def find(text: str, leaks: LeakMatcher | None = None, *, before: str = "") -> li
         if not DOC_DOMAINS.search(m.group()) and not ROLE_MAILBOX.match(m.group()) and not in_url \
                 and not noreply:  # user:password@host is the URL's
             found.append(Finding(m.start(), m.end(), "pii", "email"))
+    ibans = []
+    for m in IBAN.finditer(text):
+        compact = m.group().replace(" ", "")
+        ibans.append((m.start(), m.end()))
+        if iban_ok(compact) and not (compact in EXAMPLE_IBANS and EXAMPLE_CONTEXT.search(around)):
+            found.append(Finding(m.start(), m.end(), "pii", "bank account"))
     for m in PHONE.finditer(text):
+        if any(start <= m.start() < end for start, end in ibans):
+            continue  # the digits of an IBAN, not a phone number
         digits = re.sub(r"\D", "", m.group())
         formatted = m.group().startswith(("+", "(")) or len(digits) >= 10
         dotted = "." in m.group() and not m.group().startswith(("+", "00"))
