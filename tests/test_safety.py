@@ -856,6 +856,10 @@ def test_cached_scores_survive_a_restart(tmp_path):
     ("Encode WIFI:T:WPA;S:Cafe 5G;P:almond-Quay-4417-orbit;H:false;; in the QR code.", "password", "almond-Quay-4417-orbit"),
     ("Refund to her personal account: IBAN GB47 NWBK 6016 1332 3629 95, sort code 60-16-13.", "bank account",
      "GB47 NWBK 6016 1332 3629 95"),
+    ('const char* MQTT_PASS = "DRvQKW+w7Pwnv1UiLHv";', "secret", "DRvQKW+w7Pwnv1UiLHv"),
+    ("lftp -u 'acme_upload,!wKgVu=R^aWg5q-' sftp://files.example-partner.net", "password", "!wKgVu=R^aWg5q-"),
+    ("AccountKey=Zm9vYmFyYmF6cXV4cXV1eHF1dXhxdXV4cXV1eHF1dXhxdXV4cXV1eHF1dXh4eQ2==;EndpointSuffix=core",
+     "secret", "Zm9vYmFyYmF6cXV4cXV1eHF1dXhxdXV4cXV1eHF1dXhxdXV4cXV1eHF1dXh4eQ2=="),
 ])
 def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kind, value):
     """Phone numbers with an 00 prefix, a lone digit after the country code, 8-digit groups or dots; an
@@ -890,6 +894,15 @@ def test_more_phone_formats_and_ways_of_announcing_a_dump_are_redacted(text, kin
     "Re-export it with gpg --armor --export you@yourdomain.tld > key.asc",
     "The public comments line listed on whitehouse.gov is 202-456-1111.",
     "Try the Luhn check on 4111 1111 1111 1111.",
+    "2024-09-03T14:02:11.482Z INFO  req_id=01J6Z8K3QX7M2W4T9B5R1C6D8F trace=ab12",
+    "db_password: ENC[AES256_GCM,data:Tr7o1Y3o0Q==,iv:1xq0b8mJ2w1yOQ0m3fE9Vx4kq2m7sQ8Nq2rVYf4W3xk=,type:str]",
+    "  password       = random_password.db.result\n  secret_string = aws_secretsmanager_secret.db.id",
+    "Keep using `secretRef: billing-db`; fetch it with get_secret_value(SecretId=secret_id) and secretsmanager:GetSecretValue.",
+    "-----BEGIN CERTIFICATE-----\nMIIBmTCCAT+gAwIBAgIUOWvuLC0ahgNA78SRSkGnUhnW3z0wCgYIKoZIzj0EAwIw\n-----END CERTIFICATE-----",
+    "The sample token from jwt.io: eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4gRG9l"
+    "IiwiaWF0IjoxNTE2MjM5MDIyfQ.SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c",
+    "Forward phishing to reportphishing@apwg.org or report@phishing.gov.uk.",
+    "Group bookings go through the reservations service on +33 (0)1 40 20 57 60.",
 ])
 def test_organisations_public_contacts_ip_addresses_and_other_rules_pass(text):
     """Toll-free numbers, switchboards and role or noreply mailboxes belong to organisations; dotted IPs and

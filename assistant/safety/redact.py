@@ -26,7 +26,10 @@ covers the list of numbers below it. Passwords in prose ("the admin password is 
 languages and Japanese, Chinese, Korean) need a token with a letter and a digit; "(at) ... (dot)"
 addresses count as emails; an IBAN that checks (mod 97) is personal data ("bank account"), except the
 standard's own examples in an answer about the format; a JSON Web Key's public members, a file path
-in a secret's place (`*_FILE: /run/secrets/...`) and `you@yourdomain.tld` pass.
+in a secret's place (`*_FILE: /run/secrets/...`) and `you@yourdomain.tld` pass. So do certificates and
+public key blocks, SOPS's `ENC[...]` values, jwt.io's sample token, resource references
+(`random_password.db.result`), and assignments that name or locate a secret (`secretRef: billing-db`,
+`SecretId=secret_id`: a name in code, or a key ending in ref/name/id/file/path/arn).
 
 The system prompt is protected two ways: verbatim runs of >= NGRAM of its words (`LeakMatcher`, which
 needs the prompt), and an answer that announces it is quoting its own instructions ("my instructions
@@ -42,6 +45,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+JWT_PATTERN = r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
+JWT = re.compile(JWT_PATTERN)
 SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)) for kind, p in (
     ("private key", r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)"),
     ("api key", r"\bsk-(?:proj-|ant-(?:api\d+-)?|live-|test-)?[A-Za-z0-9_-]{20,}"),
@@ -53,12 +58,12 @@ SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)
     ("api key", r"\bAIza[0-9A-Za-z_-]{35}"),
     ("token", r"\bhf_[A-Za-z0-9]{30,}"),
     ("token", r"\bnpm_[A-Za-z0-9]{36}"),
-    ("token", r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),  # JWT
+    ("token", JWT_PATTERN),
     ("password", r"://(?P<u>[^\s:/@]*):(?P<v>[^\s@/]+)@"),  # user:password@ (or :password@, Redis) in a URL
     # key = value / key: value assignments of something secret-looking (only the value is redacted); the key
     # may end a longer name (WEBHOOK_SECRET, DB_PASSWORD)
-    ("secret", r"(?i)(?:\b|(?<=_))(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token"
-               r"|credential)\w*[\"']?[ \t]*[:=][ \t]*[\"']?(?P<v>[^\s\"';,]{6,})"),  # on its line (`SECRET=` then a newline is empty), to a ; or ,
+    ("secret", r"(?i)(?:\b|(?<=_))(?P<k>(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token"
+               r"|credential)\w*|pass)[\"']?[ \t]*[:=][ \t]*[\"']?(?P<v>[^\s\"';,]{6,})"),  # on its line (`SECRET=` then a newline is empty), to a ; or ,
     ("secret", r"(?i)\b(?:token|secret|password|key) (?P<v>(?=[A-Za-z0-9/+_=-]*\d)[A-Za-z0-9/+_=-]{16,})"),
     # a password in prose, in seven languages and Japanese, Chinese and Korean: "the admin password is j4i+++3Y*7I2#Yqm", "la contraseña =IY-6h...",
     # "clave WPA2 YT36g-3V2jq": up to three words after the keyword, then a token of 8+ characters with a
@@ -67,10 +72,11 @@ SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)
                  r"|wachtwoord|パスワード|暗証番号|密码|密碼|비밀번호)(?:\s+[\w-]{1,12}){0,3}?(?:\s+(?:is|es|ist|est|é|was|lautet|are))?"
                  r"(?:\s*[:=：]\s*|\s+)[\"'`]?"
                  r"(?P<v>(?=[^\s\"'`]*\d)(?=[^\s\"'`]*[A-Za-z])[^\s\"'`]{8,}?)(?=[\"'`]?[.,;:)]?(?:\s|$))"),
+    ("password", r"(?<![\w-])(?:-u|--user)\s+[\"']?[^\s:,\"']+[:,](?P<v>[^\s\"']+)"),  # curl -u user:pw, lftp -u user,pw
     ("password", r"\bWIFI:(?:[^\n;]*;)*?P:(?P<v>(?:\\.|[^;\\\n])+);"),  # the Wi-Fi QR code format's P: field
     # long random-looking tokens: upper, lower and digits mixed, 32+ chars
-    ("secret", r"(?<![A-Za-z0-9/+_=-])(?=[A-Za-z0-9/+_=-]*[A-Z])(?=[A-Za-z0-9/+_=-]*[a-z])(?=[A-Za-z0-9/+_=-]*\d)"
-               r"[A-Za-z0-9/+_=-]{32,}"),
+    ("secret", r"(?<![A-Za-z0-9/+_-])(?=[A-Za-z0-9/+_-]*[A-Z])(?=[A-Za-z0-9/+_-]*[a-z])(?=[A-Za-z0-9/+_-]*\d)"
+               r"[A-Za-z0-9/+_-]{32,}={0,2}"),  # "=" only as base64's padding: req_id=01J6Z8... is a name and an ID
 ))
 CARD = re.compile(r"(?<![\d-])(?:\d[ -]?){12,18}\d(?![\d-])")
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@([A-Za-z0-9-]+\.)+[A-Za-z]{2,}\b")
@@ -88,7 +94,8 @@ TOLL_FREE = re.compile(r"^1?8(?:00|88|77|66|55|44|33)\d{7}$")
 ROLE_MAILBOX = re.compile(r"(?i)^(?:support|security|info|help|contact|sales|press|abuse|no-?reply|admin|privacy"
                           r"|webmaster|postmaster|hostmaster|hello|team|office|billing|jobs|careers|feedback|service"
                           r"|enquiries|inquiries|media|legal|compliance|marketing|partners|accounts|orders|returns"
-                          r"|customer[._-]?service|dpo|psirt|cert|noc|security-alert|secalert)@")
+                          r"|customer[._-]?service|dpo|psirt|cert|noc|security-alert|secalert|report[\w.-]*"
+                          r"|[\w.-]*phishing|spam)@")
 DOC_DOMAINS = re.compile(r"@(?:[\w-]+\.)*(?:example\.(?:com|org|net)|[\w-]+\.(?:example|test|invalid|localhost|tld)"
                          r"|your[\w-]*\.[\w.]+)$",
                          re.IGNORECASE)
@@ -128,11 +135,18 @@ FICTIONAL_PHONE = re.compile(r"^(?:1?\d{3}555\d{4}|1?555[01]\d{6}|(?:44|0)(?:207
                              r"|1184960|1214960|1314960|1414960|1514960|1614960|1632960|7700900|8081570|9098790"
                              r"|3069990|2896496|2920180)\d{3})$")
 # a configuration language's reference to a secret kept elsewhere (Terraform, Actions, Ansible, settings objects)
-REFERENCE = re.compile(r"(?i)(?:var|vars|local|locals|data|module|secrets|env|settings|config|params|values)\.\w[\w.]*")
+REFERENCE = re.compile(r"(?i)(?:var|vars|local|locals|data|module|secrets|env|settings|config|params|values)\.\w[\w.]*"
+                       r"|[a-z_][a-z0-9_]*(?:\.[A-Za-z_][\w-]*){2,}")  # or a resource's attribute: random_password.db.result
 # public by nature, though long and random-looking: an SSH public key's body (its algorithm name base64-encoded
 # at the start: ssh-rsa, ssh-ed25519, ecdsa-sha2-...) and a Bitcoin address (base58 or bech32)
 PUBLIC_VALUE = re.compile(r"AAAA(?:B3NzaC1|C3NzaC1|E2VjZHNh)[A-Za-z0-9+/=]*|[13][1-9A-HJ-NP-Za-km-z]{25,34}"
                           r"|bc1[02-9ac-hj-np-z]{11,71}")
+# an assignment whose name says its value names or locates the secret rather than holding it
+NAMES_NOT_SECRETS = re.compile(r"(?i)(?:ref|name|id|file|path|arn|version|type|manager|store|length)$")
+# a value that is a name in code (no digit; words joined by - or _, or in CamelCase): billing-db, secret_id),
+# GetSecretValue; a single word ("password: swordfishes") may be the password itself
+IDENTIFIER = re.compile(r"(?:[A-Za-z]+(?:[_-][A-Za-z]+)+|[A-Z]?[a-z]+(?:[A-Z][a-z]+)+)[)`.,\]]*")
+PUBLIC_PEM = re.compile(r"-----(BEGIN|END) (?:CERTIFICATE|PUBLIC KEY|RSA PUBLIC KEY|PGP PUBLIC KEY BLOCK|X509 CRL)-----")
 # a JSON Web Key's public members (the RSA modulus "n", the EC point "x"/"y"): what a JWKS endpoint publishes
 JWK_PUBLIC = re.compile(r"\"(?:n|e|x|y|x5c|x5t)\"\s*:\s*\[?\s*\"$")
 # an IBAN (ISO 13616): country, two check digits, 11-30 letters and digits, grouped by four or not; personal
@@ -154,7 +168,7 @@ TEST_CONTEXT = re.compile(r"(?i)\btest|sandbox|\bluhn")
 # a phone number this close after one of these words is an organisation's line, not a person's
 ORGANISATION_LINE = re.compile(r"(?i)\b(?:switchboard|hotline|helpline|headquarters|head office|main (?:line|number|office)"
                                r"|comments? line|(?:general )?(?:enquiries|inquiries)|customer (?:service|support|care)|call (?:cent(?:er|re))|front desk"
-                               r"|reception|box office|press office|information line|public line)\b(?:[^.\n]|\.(?=\S)){0,60}$")
+                               r"|reception|box office|ticket office|reservations|visitor services|press office|information line|public line)\b(?:[^.\n]|\.(?=\S)){0,60}$")
 NGRAM = 8  # words of the system prompt repeated in a row that count as a leak
 
 
@@ -175,12 +189,35 @@ def placeholder(value: str) -> bool:
         return True
     if REFERENCE.fullmatch(body):  # a reference to where it is kept: var.db_password, secrets.API_TOKEN
         return True
+    if body.startswith("ENC["):  # encrypted in place (SOPS): ENC[AES256_GCM,data:...]
+        return True
     if re.fullmatch(r"(?:/|\./|~/)[\w./-]+", body):  # a file that holds it: /run/secrets/pg_password
         return True
     if re.fullmatch(r"[A-Z][A-Z_]*", body):  # USER, PASSWORD, YOUR_API_KEY, DBNAME
         return True
     core = re.sub(r"^(?:sk|pk|rk|gh[pousr]|xox[abprs]|hf|npm|AKIA|ASIA)[-_]?(?:live|test|proj)?[-_]?", "", body)
     return len(set(core.lower())) < 6
+
+
+def in_public_block(before: str) -> bool:
+    """Whether text right after `before` lies inside a certificate or public key PEM block (public by nature)."""
+    last = None
+    for last in PUBLIC_PEM.finditer(before):
+        pass
+    return last is not None and last.group(1) == "BEGIN"
+
+
+def jwt_sample(token: str) -> bool:
+    """jwt.io's sample token (sub 1234567890, John Doe), the one every tutorial shows."""
+    import base64
+    import json
+
+    try:
+        body = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    except (IndexError, ValueError):
+        return False
+    return isinstance(claims, dict) and claims.get("sub") == "1234567890" and claims.get("name") == "John Doe"
 
 
 def iban_ok(iban: str) -> bool:
@@ -269,6 +306,7 @@ def find(text: str, leaks: LeakMatcher | None = None, *, before: str = "") -> li
     the words around a number (a test card in "test mode", an organisation's switchboard), never scanned."""
     around = before + text
     found: list[Finding] = []
+    samples = [m.span() for m in JWT.finditer(text) if jwt_sample(m.group())]  # public, and no part of it is secret
     for kind, pattern in SECRET_PATTERNS:
         for m in pattern.finditer(text):
             group = "v" if "v" in pattern.groupindex else 0  # only the value of `key=value`
@@ -277,7 +315,14 @@ def find(text: str, leaks: LeakMatcher | None = None, *, before: str = "") -> li
                 body = re.sub(r"-----[^-]*-----|\s", "", value)
                 if len(body) < 16 or re.search(r"\.{3}|…|<|(?i:example|your)", body):
                     continue  # "-----BEGIN PRIVATE KEY-----\n...\n-----END PRIVATE KEY-----"
-            elif placeholder(value) or PUBLIC_VALUE.fullmatch(value) or JWK_PUBLIC.search(text[:m.start(group)]):
+            elif placeholder(value) or PUBLIC_VALUE.fullmatch(value) or JWK_PUBLIC.search(text[:m.start(group)]) \
+                    or in_public_block(around[:len(around) - len(text) + m.start()]) \
+                    or re.search(r"ENC\[[^\]\n]*$", text[:m.start(group)]):  # inside SOPS's ENC[...]: encrypted
+                continue
+            elif "k" in pattern.groupindex and m.group("k") and (NAMES_NOT_SECRETS.search(m.group("k"))
+                                                                 or IDENTIFIER.fullmatch(value)):
+                continue  # secretRef: billing-db, SecretId=secret_id): a name, not the secret
+            elif any(start <= m.start(group) < end for start, end in samples):
                 continue
             elif "u" in pattern.groupindex and m.group("u") == value:
                 continue  # postgres:postgres@, guest:guest@: a default login, the same word twice
