@@ -10,7 +10,10 @@ Design notes:
   * Why TF-IDF + logistic regression, not the MiniLM heads: the output guard asks how close the
     sentence so far comes to a hit before every word it releases early (output.py `_early_cut`), so a
     score must cost next to nothing: ~0.05-0.1 ms here (detectors.OneText's arithmetic) against
-    ~7 ms for a MiniLM pass, which would also take CPU from the engine decoding beside it. Features:
+    ~7 ms for a MiniLM pass, which would also take CPU from the engine decoding beside it. Nor did the
+    MiniLM features read leaks better: in the same answer-level CV (700 answers, threshold 0.8), a head
+    on layers 3-6 caught 79.7% at 8.7% false positives (its best C) where TF-IDF caught 81.0% at 3.5%,
+    and the two together did no better than TF-IDF. Features:
     word 1-3 grams and character 2-5 grams within word boundaries (each block l2-normalised, sublinear
     tf), so "preamble", "pre-amble" and "preambles" share most of their features.
   * Training data: tests/data/safety_disclosure_train.jsonl, answers written for it (leaks in many
@@ -25,12 +28,11 @@ Design notes:
   * Stored as plain arrays (`safety_disclosure.npz`: the two vocabularies as UTF-8 bytes, idf,
     weights, intercept) and a JSON card with their sha256 and the CV figures, like the heads
     (head.write_arrays); nothing is pickled. Trained by `assistant safety train` (or `--only
-    disclosure`, a few seconds).
+    disclosure`: about a minute, most of it the CV that picks C).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,7 +53,7 @@ THRESHOLDS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
 # "Here's" as 0.27, which held the first word of a fifth of benign answers back (output.py's early release)
 MIN_WORDS = 3
 MAX_FP = 0.05  # benign answers (hard ones: see the data) a threshold may flag in CV
-SENTENCE_END = re.compile(r"[.!?](?=\s)|\n")  # output.BOUNDARY: where the guard's windows end
+
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ def windows(text: str) -> list[str]:
     """The text cut where the output guard cuts its windows (after . ! ? before white space, and at line
     breaks), each piece stripped; empty pieces dropped."""
     out, last = [], 0
-    for m in SENTENCE_END.finditer(text):
+    from assistant.safety.output import BOUNDARY  # where the guard's windows end
+
+    for m in BOUNDARY.finditer(text):
         out.append(text[last:m.end()])
         last = m.end()
     out.append(text[last:])

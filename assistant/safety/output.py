@@ -203,15 +203,16 @@ class OutputGuard(StreamTransformer):
         sentence before it, as the disclosure classifier was cross-validated ("Dumping runtime config:"
         and the first line of the dump say more together than apart), and toxicity that builds up over
         two sentences counts."""
-        if cut:
-            before = self.shown_text + self.pending[:cut]
-        else:
-            before = self.shown_text[:max(0, len(self.shown_text) - len(self.sentence))]
+        before = self.shown_text + self.pending[:cut] if cut else self._shown_before_sentence()
         body = before.rstrip()
         start = 0
         for m in BOUNDARY.finditer(body):
             start = m.end()
         return before[start:][-LEAD_CHARS:]
+
+    def _shown_before_sentence(self) -> str:
+        """What went out before the released part of the unfinished sentence (its end, SHOWN_TAIL at most)."""
+        return self.shown_text[:max(0, len(self.shown_text) - len(self.sentence))]
 
     @staticmethod
     def _last_boundary(text: str) -> int:
@@ -225,7 +226,7 @@ class OutputGuard(StreamTransformer):
         events: list[TurnEvent] = []
         context = self.sentence  # already shown: scanned again only as context for what follows it
         findings = [Finding(max(f.start - len(context), 0), f.end - len(context), f.category, f.kind)
-                    for f in find(context + window, self.leaks, before=self.shown_text[:len(self.shown_text) - len(context)])
+                    for f in find(context + window, self.leaks, before=self._shown_before_sentence())
                     if f.end > len(context) and self.policy.output_action(f.category) != "allow"]
         redacted = [f for f in findings if self.policy.output_action(f.category) == "redact"]
         for f in findings:
