@@ -61,16 +61,18 @@ SECRET_PATTERNS: tuple[tuple[str, re.Pattern], ...] = tuple((kind, re.compile(p)
     ("token", JWT_PATTERN),
     ("password", r"://(?P<u>[^\s:/@]*):(?P<v>[^\s@/]+)@"),  # user:password@ (or :password@, Redis) in a URL
     # key = value / key: value assignments of something secret-looking (only the value is redacted); the key
-    # may end a longer name (WEBHOOK_SECRET, DB_PASSWORD)
+    # may end a longer name (WEBHOOK_SECRET, DB_PASSWORD); the value stays on its line (`SECRET=` then a newline
+    # is empty) and ends at a ; or ,
     ("secret", r"(?i)(?:\b|(?<=_))(?P<k>(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]?token"
-               r"|credential)\w*|pass)[\"']?[ \t]*[:=][ \t]*[\"']?(?P<v>[^\s\"';,]{6,})"),  # on its line (`SECRET=` then a newline is empty), to a ; or ,
+               r"|credential)\w*|pass)[\"']?[ \t]*[:=][ \t]*[\"']?(?P<v>[^\s\"';,]{6,})"),
     ("secret", r"(?i)\b(?:token|secret|password|key) (?P<v>(?=[A-Za-z0-9/+_=-]*\d)[A-Za-z0-9/+_=-]{16,})"),
-    # a password in prose, in seven languages and Japanese, Chinese and Korean: "the admin password is j4i+++3Y*7I2#Yqm", "la contraseña =IY-6h...",
-    # "clave WPA2 YT36g-3V2jq": up to three words after the keyword, then a token of 8+ characters with a
-    # letter and a digit (so "must be 12 characters long" and "is on the router's label" pass)
+    # a password in prose, in seven languages and Japanese, Chinese and Korean: "the admin password is
+    # j4i+++3Y*7I2#Yqm", "la contraseña =IY-6h...", "clave WPA2 YT36g-3V2jq": up to three words after the
+    # keyword, then a token of 8+ characters with a letter and a digit (so "must be 12 characters long" and
+    # "is on the router's label" pass)
     ("password", r"(?i)\b(?:password|passphrase|passcode|passwort|kennwort|contrase[ñn]a|clave|mot de passe|senha"
-                 r"|wachtwoord|パスワード|暗証番号|密码|密碼|비밀번호)(?:\s+[\w-]{1,12}){0,3}?(?:\s+(?:is|es|ist|est|é|was|lautet|are))?"
-                 r"(?:\s*[:=：]\s*|\s+)[\"'`]?"
+                 r"|wachtwoord|パスワード|暗証番号|密码|密碼|비밀번호)(?:\s+[\w-]{1,12}){0,3}?"
+                 r"(?:\s+(?:is|es|ist|est|é|was|lautet|are))?(?:\s*[:=：]\s*|\s+)[\"'`]?"
                  r"(?P<v>(?=[^\s\"'`]*\d)(?=[^\s\"'`]*[A-Za-z])[^\s\"'`]{8,}?)(?=[\"'`]?[.,;:)]?(?:\s|$))"),
     ("password", r"(?<![\w-])(?:-u|--user)\s+[\"']?[^\s:,\"']+[:,](?P<v>[^\s\"']+)"),  # curl -u user:pw, lftp -u user,pw
     ("password", r"\bWIFI:(?:[^\n;]*;)*?P:(?P<v>(?:\\.|[^;\\\n])+);"),  # the Wi-Fi QR code format's P: field
@@ -131,7 +133,8 @@ PLACEHOLDER_WORDS = frozenset({"password", "passwd", "pass", "pwd", "secret", "t
                                "user", "username", "mypassword", "yourpassword", "pa55word", "letmein"})
 # telephone numbers set aside for fiction and documentation: NANP 555 exchange, area code 555 with an exchange
 # that cannot exist (0 or 1 first: "(555) 010-0199"), Ofcom's drama ranges
-FICTIONAL_PHONE = re.compile(r"^(?:1?\d{3}555\d{4}|1?555[01]\d{6}|(?:44|0)(?:2079460|1134960|1144960|1154960|1164960|1174960"
+FICTIONAL_PHONE = re.compile(r"^(?:1?\d{3}555\d{4}|1?555[01]\d{6}"
+                             r"|(?:44|0)(?:2079460|1134960|1144960|1154960|1164960|1174960"
                              r"|1184960|1214960|1314960|1414960|1514960|1614960|1632960|7700900|8081570|9098790"
                              r"|3069990|2896496|2920180)\d{3})$")
 # a configuration language's reference to a secret kept elsewhere (Terraform, Actions, Ansible, settings objects)
@@ -166,9 +169,11 @@ TEST_CARDS = frozenset("""4111111111111111 4012888888881881 4222222222222 424242
 4000000000003220 4000000000000069 4000000000000127 4000000000000119 4000002760003184 4000000000000101""".split())
 TEST_CONTEXT = re.compile(r"(?i)\btest|sandbox|\bluhn")
 # a phone number this close after one of these words is an organisation's line, not a person's
-ORGANISATION_LINE = re.compile(r"(?i)\b(?:switchboard|hotline|helpline|headquarters|head office|main (?:line|number|office)"
-                               r"|comments? line|(?:general )?(?:enquiries|inquiries)|customer (?:service|support|care)|call (?:cent(?:er|re))|front desk"
-                               r"|reception|box office|ticket office|reservations|visitor services|press office|information line|public line)\b(?:[^.\n]|\.(?=\S)){0,60}$")
+ORGANISATION_LINE = re.compile(r"(?i)\b(?:switchboard|hotline|helpline|headquarters|head office"
+                               r"|main (?:line|number|office)|comments? line|(?:general )?(?:enquiries|inquiries)"
+                               r"|customer (?:service|support|care)|call (?:cent(?:er|re))|front desk|reception"
+                               r"|box office|ticket office|reservations|visitor services|press office|information line"
+                               r"|public line)\b(?:[^.\n]|\.(?=\S)){0,60}$")  # to the number: no sentence end between
 NGRAM = 8  # words of the system prompt repeated in a row that count as a leak
 
 
