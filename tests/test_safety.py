@@ -940,7 +940,7 @@ def test_an_answer_the_disclosure_classifier_flags_is_redacted_from_that_sentenc
 
 
 def test_words_of_a_sentence_heading_for_a_disclosure_are_not_released_early():
-    """Early release stops once the sentence so far scores EARLY_CLOSENESS of the threshold (0.3 >= 0.3 x 0.7):
+    """Early release stops once the sentence so far scores EARLY_CLOSENESS of the threshold (0.3 >= 0.3 x 0.85):
     what follows "operator" is only shown after the whole sentence was scored, and here it is redacted."""
     guard, _ = output_guard()
     text = "Sure thing my operator set me up with a PREAMBLE-LEAK that says to favour Gold. Thanks!"
