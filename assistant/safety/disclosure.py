@@ -66,9 +66,9 @@ class Example:
 def windows(text: str) -> list[str]:
     """The text cut where the output guard cuts its windows (after . ! ? before white space, and at line
     breaks), each piece stripped; empty pieces dropped."""
-    out, last = [], 0
     from assistant.safety.output import BOUNDARY  # where the guard's windows end
 
+    out, last = [], 0
     for m in BOUNDARY.finditer(text):
         out.append(text[last:m.end()])
         last = m.end()
