@@ -98,8 +98,9 @@ class OutputGuard(StreamTransformer):
         self.pending = ""
         self.sentence = ""  # what was released of the unfinished sentence (words released early)
         self.stopped = False
-        self.shown = False  # whether anything of the answer went out yet (`_opener` reads it)
-        self.shown_text = ""  # the end of what went out: the words around a number (redact.find's `before`)
+        # the end of what went out (SHOWN_TAIL): the words around a number (redact.find's `before`), the
+        # sentence before a window (`_lead`), and whether anything went out yet (`_opener`)
+        self.shown_text = ""
         self._reported: set[str] = set()
 
     def for_turn(self, conversation_id: str | None, *, protect: Sequence[str] = ()) -> "OutputGuard":
@@ -159,7 +160,7 @@ class OutputGuard(StreamTransformer):
 
     def _opener(self) -> int:
         """All of the pending text when it is the answer's first token and one of OPENERS (module notes)."""
-        if self.shown or self.pending.lower() not in OPENERS:
+        if self.shown_text or self.pending.lower() not in OPENERS:
             return 0
         if self.guard is not None and self.guard.closeness(self.pending, where="output",
                                                            policy=self.policy) >= EARLY_CLOSENESS:
@@ -265,7 +266,6 @@ class OutputGuard(StreamTransformer):
                                             round(hit.score.score, 4), hit.threshold, hit.score.detector))
         sentence = context + text  # the next character tells whether a final "." ends the sentence
         self.sentence = sentence[self._last_boundary(sentence + self.pending[:1]):]
-        self.shown = self.shown or bool(text)
         self.shown_text = (self.shown_text + text)[-SHOWN_TAIL:]
         return [*events, TextDelta(text)] if text else events
 
