@@ -351,10 +351,20 @@ class SlowProbe:
                 for c in self.categories]
 
 
-def test_a_doubtful_head_score_is_decided_with_the_second_opinion():
+@pytest.fixture
+def band_only(tmp_path):
+    """The default policy without `clears_below`: the second opinion only settles the head's doubts."""
+    text = (available_policies()["default"]).read_text()
+    assert "clears_below = 0.02\n" in text
+    path = tmp_path / "band-only.toml"
+    path.write_text(text.replace("clears_below = 0.02\n", "").replace('name = "default"', 'name = "band-only"'))
+    return str(path)
+
+
+def test_a_doubtful_head_score_is_decided_with_the_second_opinion(band_only):
     audit = MemoryAudit()
     probe = SlowProbe()
-    safety = layer(audit, head=Doubtful(), probe=probe)
+    safety = layer(audit, policy=band_only, head=Doubtful(), probe=probe)
     blocked = safety.input_guard.check("maybe a bad thing", where="input")  # (0.5 + 0.9) / 2 = 0.7 >= 0.5
     assert not blocked.allowed and blocked.category == "weapons" and blocked.detector == "head+probe"
     assert (blocked.score, blocked.threshold) == (0.7, 0.5) and "flagged as" in blocked.reason
@@ -366,11 +376,11 @@ def test_a_doubtful_head_score_is_decided_with_the_second_opinion():
     assert [(r["detector"], r["action"]) for r in audit.rows] == [("head+probe", "block"), ("head", "block")]
 
 
-def test_check_early_leaves_the_second_opinion_pending_and_audits_it_once():
+def test_check_early_leaves_the_second_opinion_pending_and_audits_it_once(band_only):
     audit = MemoryAudit()
     probe = SlowProbe()
     probe.gate.clear()
-    guard = layer(audit, head=Doubtful(), probe=probe).input_guard
+    guard = layer(audit, policy=band_only, head=Doubtful(), probe=probe).input_guard
     early = guard.check_early("maybe a bad thing", where="input")
     assert early.allowed and early.pending is not None and probe.calls == 0  # returned before the probe read
     probe.gate.set()
@@ -453,12 +463,12 @@ class GatedHead(Doubtful):
         return super().score(text)
 
 
-def test_check_beside_starts_when_asked_and_decides_beside_the_turn():
+def test_check_beside_starts_when_asked_and_decides_beside_the_turn(band_only):
     """The whole input check runs beside the turn: the verdict is pending at once, its detectors start
     when `begin` is called (or when it is resolved); a sure block sets the turn's cancel at once; a tap
     nobody will need is declined so the engine stops filling it; a doubtful text keeps its tap."""
     head, probe = GatedHead(), TappingProbe()
-    guard = layer(MemoryAudit(), head=head, probe=probe).input_guard
+    guard = layer(MemoryAudit(), policy=band_only, head=head, probe=probe).input_guard
     cancel = threading.Event()
     doubtful = guard.check_beside("maybe a bad thing", where="input", cancel=cancel)
     assert doubtful.allowed and doubtful.pending is not None and doubtful.begin is not None
@@ -486,6 +496,85 @@ def test_check_beside_starts_when_asked_and_decides_beside_the_turn():
     fine = guard.check_beside("a fine thing", where="input", cancel=calm)  # never begun: resolving starts it
     assert fine.final().allowed and not calm.is_set() and fine.tap.features is None and fine.tap.settled
     assert (probe.tapped, probe.calls) == (1, 0)
+
+
+class ClearingProbe(TappingProbe):
+    """TappingProbe that reads 0.01 for weapons (under the default policy's clears_below) in texts holding "calm"."""
+
+    def score(self, text):
+        return [Score(s.category, 0.01 if "calm" in text and s.category == "weapons" else s.score, s.detector)
+                for s in super().score(text)]
+
+
+def test_a_head_block_the_second_opinion_clears_is_allowed():
+    """Under the default policy a text the probe scores under `clears_below` is allowed whatever the head
+    says; a block it does not clear stands, and so does another detector's block (the probe is not asked).
+    check_early (safety.check_beside_turn = false) keeps the head's sure block, so it never reaches the model."""
+    audit = MemoryAudit()
+    probe = ClearingProbe()
+    guard = layer(audit, head=Doubtful(), probe=probe).input_guard
+    assert guard.check("a calm PIPE-BOMB question", where="input").allowed  # head 0.99, probe 0.01
+    assert probe.calls == 1 and audit.rows == []
+    blocked = guard.check("a PIPE-BOMB", where="input")  # probe 0.05: not cleared
+    assert not blocked.allowed and blocked.detector == "head" and probe.calls == 2
+    doubtful = guard.check("maybe a bad calm thing", where="input")  # in the band: (0.5 + 0.01) / 2, one read
+    assert doubtful.allowed and probe.calls == 3
+    early = guard.check_early("a calm PIPE-BOMB question", where="input")  # check_beside_turn = false: it stands
+    assert not early.allowed and early.pending is None and probe.calls == 3
+    injected = layer(audit, head=Doubtful(), probe=probe,
+                     prompt_guardrail=Fixed("prompt_guardrail", "prompt_injection", 0.99)).input_guard
+    verdict = injected.check("a calm PIPE-BOMB question", where="input")
+    assert not verdict.allowed and verdict.detector == "prompt_guardrail" and probe.calls == 3
+    assert [r["detector"] for r in audit.rows] == ["head", "head", "prompt_guardrail"]
+
+
+def test_a_turn_that_lends_its_prefill_runs_the_head_only_for_texts_the_second_opinion_does_not_clear():
+    """check_beside under the default policy with a tap: only the cheap detectors run at `begin`; the
+    probe reads the prefill, and the head runs after it, for a text it does not clear (whose block then
+    cancels the turn). The tapped features are scored once; a declined tap has the probe read the text."""
+    head, probe = Doubtful(), ClearingProbe()
+    guard = layer(MemoryAudit(), head=head, probe=probe).input_guard
+    cancel = threading.Event()
+    cleared = guard.check_beside("a PIPE-BOMB question", where="input", cancel=cancel)
+    cleared.begin()
+    _fill(cleared.tap, 0.01)
+    assert cleared.final().allowed and head.calls == 0 and not cancel.is_set()
+    assert (probe.tapped, probe.calls) == (1, 0)
+    sure = guard.check_beside("a PIPE-BOMB", where="input", cancel=cancel)
+    sure.begin()
+    time.sleep(0.05)
+    assert head.calls == 0 and not cancel.is_set()  # it waits for the prefill
+    _fill(sure.tap, 0.9)
+    for _ in range(100):
+        if cancel.is_set():
+            break
+        time.sleep(0.01)
+    assert cancel.is_set()  # before anyone asked for the verdict
+    verdict = sure.final()
+    assert not verdict.allowed and verdict.detector == "head" and head.calls == 1
+    assert (probe.tapped, probe.calls) == (2, 0)
+    doubtful = guard.check_beside("maybe a bad thing", where="input")
+    doubtful.begin()
+    _fill(doubtful.tap, 0.9)
+    final = doubtful.final()
+    assert not final.allowed and final.detector == "head+probe" and final.score == 0.7
+    assert (probe.tapped, probe.calls) == (3, 0)
+    declined = guard.check_beside("a calm PIPE-BOMB question", where="input")
+    declined.begin()
+    declined.tap.decline("the turn's model is another one")
+    assert declined.final().allowed and (probe.tapped, probe.calls) == (3, 1)
+
+
+def test_clears_below_must_lie_in_0_1(tmp_path):
+    base = ('name = "p"\n[stages.input]\ndetectors = ["head"]\ncategories = ["weapons"]\n'
+            '[stages.input.second_opinion]\ndetector = "probe"\nafter = "head"\nband = [0.1, 0.9]\nclears_below = {}\n'
+            '[categories.weapons]\nthresholds = {{ head = 0.6, probe = 0.5 }}\n')
+    for bad in ("1.0", "-0.1", "true", '"0.1"'):
+        (tmp_path / "p.toml").write_text(base.format(bad))
+        with pytest.raises(ConfigError, match="clears_below"):
+            load_policy(str(tmp_path / "p.toml"))
+    (tmp_path / "p.toml").write_text(base.format("0.05"))
+    assert load_policy(str(tmp_path / "p.toml")).stages["input"].second_opinion.clears_below == 0.05
 
 
 class BrokenProbe:

@@ -21,6 +21,15 @@ so the orchestrator can start the turn (retrieval, the model's prefill) while it
 nothing until it resolves: the user-facing wait stays that of the fast detectors. `check_beside` moves
 those beside the turn too: the turn's model call starts with them (`Verdict.begin`), so a guarded
 turn's first token waits for neither (bench/safety.py).
+
+Clearing (a stage's second opinion's `clears_below`): a text the second opinion scores under it is
+allowed whatever `after` says (another detector's block stands). While clears_below <= 2 x the second
+opinion's threshold - the band's top (0.05 for the default policy's 0.5 and 0.95), a doubtful text
+cannot reach a block with so low a second score anyway, so clearing only turns `after`'s sure blocks
+(above the band) into allows. What it buys is order: where the turn lends its prefill (a tap), a text
+the second opinion clears needs no `after`, so `check_beside` runs `after` (the MiniLM head, whose CPU
+the prefill would otherwise share) only for the texts it does not clear, once the prefill has read the
+message. `check_early` (safety.check_beside_turn = false) keeps `after`'s sure blocks uncleared.
 """
 
 from __future__ import annotations
@@ -55,9 +64,11 @@ def _warn_once(message: str) -> None:
 
 class _SecondOpinion:
     """One text's second opinion. With a tap (assistant/engine/taps.py), from the hidden states the
-    turn's own prefill lends; once the tap is declined (the turn's engine is another model, a remote
-    one, or no engine took the prompt), the detector reads the text itself on the second-opinion
-    thread, started at once so it still overlaps the turn. Without a tap, that thread from the start."""
+    turn's own prefill lends, decided on a first-check thread the moment the prefill has read the
+    message (so what it still runs, the head for a text it does not clear, starts then, not at the
+    first token); once the tap is declined (the turn's engine is another model, a remote one, or no
+    engine took the prompt), the detector reads the text itself on the second-opinion thread, started
+    at once so it still overlaps the turn. Without a tap, that thread from the start."""
 
     def __init__(self, ask: Callable[..., Hit | None], tap: Any) -> None:
         self.ask, self.tap = ask, tap
@@ -69,9 +80,11 @@ class _SecondOpinion:
         else:
             tap.on_settle(self._settled)
 
-    def _settled(self, tap: Any) -> None:
+    def _settled(self, tap: Any) -> None:  # on the settling thread (maybe the engine's): hand off at once
         if tap.features is None:  # declined: read it ourselves
             self.future = _SECOND_OPINIONS.submit(self.ask)
+        else:
+            self.future = _FIRST_CHECKS.submit(self.ask, tap.features)
         self._ready.set()
 
     def result(self) -> Hit | None:
@@ -82,8 +95,6 @@ class _SecondOpinion:
             elif tap.wait(TAP_TIMEOUT_S) is None:
                 tap.decline("the turn's prefill did not reach the message in time")
             self._ready.wait()
-            if self.future is None:
-                return self.ask(tap.features)
         return self.future.result()
 
 
@@ -172,11 +183,15 @@ class SafetyGuard:
     def check_early(self, text: str, *, where: str) -> Verdict:
         """`check`, except that a second opinion the text needs (see the module notes) is started on
         its own thread and left `pending` on an allowed verdict: the caller resolves it (`final()`)
-        before it shows anything that depends on the text being allowed."""
-        first, later = self._first_hit(text, where, self.policy)
-        if later is None:
+        before it shows anything that depends on the text being allowed. One difference: a block by the
+        fast detectors outside the doubt band is final here, not cleared by the second opinion
+        (`clears_below`): the orchestrator uses this mode (safety.check_beside_turn = false) to keep such
+        a message from reaching the model at all, and a clearing read of its own would cost ~100 ms."""
+        policy = self.policy
+        first, later = self._first_hit(text, where, policy)
+        if later is None:  # a sure block stands, uncleared: this mode keeps it from reaching the model at all
             return self._verdict(text, where, first)
-        opinion = _SecondOpinion(later, self._tap(text, where))
+        opinion = _SecondOpinion(self._asker(text, where, policy, first, later), self._tap(text, where))
         return self._pending(text, where, opinion.result, opinion.tap)
 
     def check_beside(self, text: str, *, where: str, cancel: threading.Event | None = None) -> Verdict:
@@ -188,18 +203,45 @@ class SafetyGuard:
         nothing), or when the verdict is resolved. The second opinion's tap is made at once and
         declined as soon as the fast detectors need no second opinion, so the engine stops filling
         it. `cancel` (the turn's) is set the moment they block, so a refused turn stops during its
-        prefill, not at its first token."""
+        prefill, not at its first token.
+
+        When the stage's second opinion clears texts (`clears_below`) and the turn lends its prefill (a
+        tap), only the detectors other than `after` run here: the second opinion reads the prefill, and
+        `after` (the MiniLM head, the costliest first check, which would share the cores with the
+        prefill) runs only for a text it does not clear, once the prefill has read the message
+        (`_tapped`). Most benign messages are cleared, and their first token waits for no head."""
+        policy = self.policy
         tap = self._tap(text, where)
+        second = policy.stage(where).second_opinion
+
+        def stopping(ask: Callable[..., Hit | None]) -> Callable[..., Hit | None]:  # a block stops the turn
+            def run(*args: Any) -> Hit | None:
+                hit = ask(*args)
+                if cancel is not None and hit is not None and hit.action == "block":
+                    cancel.set()
+                return hit
+
+            return run
 
         def first_stage() -> tuple[Hit | None, _SecondOpinion | None]:
-            first, later = self._first_hit(text, where, self.policy)
-            if later is None:
+            if tap is not None and second.clears_below > 0:
+                others, _ = self._first_hit(text, where, policy, without=second.after)
+                if others is not None and others.action == "block":
+                    if cancel is not None:
+                        cancel.set()
+                    tap.decline("an earlier detector blocked the message")
+                    return others, None
+                return others, _SecondOpinion(stopping(lambda features=None: self._tapped(text, where, policy, features)),
+                                              tap)
+            first, later = self._first_hit(text, where, policy)
+            if later is None and not self._clearable(where, policy, first):
                 if cancel is not None and first is not None and first.action == "block":
                     cancel.set()
                 if tap is not None:
                     tap.decline("the fast detectors needed no second opinion")
                 return first, None
-            return first, _SecondOpinion(later, tap)  # started here: a declined tap's own read begins at once
+            # started here: a declined tap's own read begins at once
+            return first, _SecondOpinion(stopping(self._asker(text, where, policy, first, later)), tap)
 
         futures: list[Future] = []
         lock = threading.Lock()
@@ -215,6 +257,69 @@ class SafetyGuard:
             return opinion.result() if opinion is not None else first
 
         return self._pending(text, where, decide, tap, begin)
+
+    def _tapped(self, text: str, where: str, policy: Policy, features: Any = None) -> Hit | None:
+        """`hit`, second opinion first: from the prefill's `features` (None: declined, so it reads the
+        text itself), a text it clears takes the other detectors' verdict without `after` running."""
+        second = policy.stage(where).second_opinion
+        scored = None
+        if features is not None:
+            try:
+                scored = self._second_scores(text, where, policy, features)  # a linear map: read once, used twice
+            except AssistantError:  # its head is missing, say: decided as without the prefill (which warns)
+                features = None
+        if scored is not None:
+            if max((s.score for s in scored), default=1.0) < second.clears_below:
+                return self._first_hit(text, where, policy, without=second.after)[0]
+        first, later = self._first_hit(text, where, policy)
+        return self._asker(text, where, policy, first, later)(features, scored)
+
+    def _asker(self, text: str, where: str, policy: Policy, first: Hit | None,
+               later: Callable[..., Hit | None] | None) -> Callable[..., Hit | None]:
+        """What a second opinion asks, given the first detectors' (`_first_hit`): the doubt resolved
+        (`later`, from tapped features or the text), then `_clear`."""
+        def ask(features: Any = None, scored: list[Score] | None = None) -> Hit | None:
+            decided, top = later(features, scored) if later is not None else (first, None)
+            if scored is not None:
+                top = max((s.score for s in scored), default=1.0)
+            return self._clear(text, where, policy, decided, features, top)
+
+        return ask
+
+    def _clearable(self, where: str, policy: Policy, decided: Hit | None) -> bool:
+        """Whether the second opinion may still clear `decided`: the stage has `clears_below` and `after`
+        took part in the decision (a hit of another detector stands)."""
+        second = policy.stage(where).second_opinion if self.second_opinion else None
+        if decided is None or second is None or second.clears_below <= 0:
+            return False
+        after = getattr(self.detectors.get(second.after), "name", second.after)
+        return decided.score.detector in (after, f"{second.after}+{second.detector}")
+
+    def _clear(self, text: str, where: str, policy: Policy, decided: Hit | None, features: Any = None,
+               top: float | None = None) -> Hit | None:
+        """`decided`, unless `after` took part in it and the second opinion's top score (`top`, else read from
+        `features` or the text) lies under the stage's `clears_below`: then the other detectors' best hit.
+        On the held-out sets v12-v14 (900 user messages) this changed no caught harmful message and
+        cleared 77% of the benign ones at 0.02 (the default policy's notes)."""
+        if not self._clearable(where, policy, decided):
+            return decided
+        second = policy.stage(where).second_opinion
+        if top is None:
+            top = self._second_top(text, where, policy, features)
+        if top >= second.clears_below:
+            return decided
+        return self._first_hit(text, where, policy, without=second.after)[0]
+
+    def _second_top(self, text: str, where: str, policy: Policy, features: Any = None) -> float:
+        """The second opinion's top score over the stage's categories (1.0 when it is unavailable: it
+        then clears nothing)."""
+        try:
+            scored = self._second_scores(text, where, policy, features)
+        except AssistantError as e:
+            _warn_once(f"The safety second opinion ({policy.stage(where).second_opinion.detector}) is unavailable, "
+                       f"so it clears nothing: {e}")
+            return 1.0
+        return max((s.score for s in scored), default=1.0)
 
     def _tap(self, text: str, where: str) -> Any:
         """A tap for the stage's second opinion on `text`, when it has one and its detector reads taps."""
@@ -275,13 +380,15 @@ class SafetyGuard:
     def hit(self, text: str, *, where: str, policy: Policy | None = None) -> Hit | None:
         """The deciding hit for `text` at stage `where` (None: nothing reached a threshold), the second
         opinion included when the text needs one."""
-        first, later = self._first_hit(text, where, policy or self.policy)
-        return later() if later is not None else first
+        policy = policy or self.policy
+        first, later = self._first_hit(text, where, policy)
+        return self._asker(text, where, policy, first, later)()
 
-    def _first_hit(self, text: str, where: str, policy: Policy) -> tuple[Hit | None, Callable[[], Hit | None] | None]:
-        """(the best hit of the stage's detectors, the second opinion to ask or None). A text whose
-        `after` detector's top score lies in the doubt band leaves that detector's hits to the second
-        opinion; a block by another detector needs none."""
+    def _first_hit(self, text: str, where: str, policy: Policy, *, without: str | None = None
+                   ) -> tuple[Hit | None, Callable[[], Hit | None] | None]:
+        """(the best hit of the stage's detectors, but `without`, the second opinion to ask or None). A
+        text whose `after` detector's top score lies in the doubt band leaves that detector's hits to the
+        second opinion; a block by another detector needs none."""
         stage = policy.stage(where)
         if not text.strip() or not stage.detectors:
             return None, None
@@ -290,6 +397,8 @@ class SafetyGuard:
         doubt: Score | None = None
         alone: Hit | None = None  # the doubtful detector's own hit, should the second opinion fail
         for name in stage.detectors:
+            if name == without:
+                continue
             detector = self.detectors[name]
             wanted = self._wanted(policy, stage.categories, name, detector)
             if not wanted:
@@ -308,16 +417,19 @@ class SafetyGuard:
         if doubt is None:
             return best, None
 
-        def later(features: Any = None) -> Hit | None:
+        def later(features: Any = None, scored: list[Score] | None = None) -> tuple[Hit | None, float | None]:
+            """(the hit, the second opinion's top score: None when it could not read the text); `scored`:
+            its scores, when the caller has them already."""
             try:
-                decided, hit = self._second_opinion(text, where, policy, doubt, best, features)
+                if scored is None:
+                    scored = self._second_scores(text, where, policy, features)
             except AssistantError as e:  # e.g. the chat model is not prepared: decide as before it existed
                 _warn_once(f"The safety second opinion ({second.detector}) is unavailable, so the {second.after} "
                            f"decides alone: {e}")
-                decided, hit = False, None
-            if decided:
-                return hit
-            return alone if alone is not None and (best is None or alone.key > best.key) else best
+                scored = []
+            if scored:
+                return self._second_opinion(where, policy, doubt, best, scored), max(s.score for s in scored)
+            return (alone if alone is not None and (best is None or alone.key > best.key) else best), None
 
         return best, later
 
@@ -339,29 +451,32 @@ class SafetyGuard:
                     best = candidate
         return best
 
-    def _second_opinion(self, text: str, where: str, policy: Policy, doubt: Score, best: Hit | None,
-                        features: Any = None) -> tuple[bool, Hit | None]:
-        """(decided, hit): the mean of the doubtful detector's top score and the second opinion's, under
-        the second opinion's threshold for the stronger category; the better of that and `best`. Not
-        decided when the second opinion scored none of the stage's categories. `features`: what the
-        turn's prefill tapped for the second opinion's detector (else it reads the text itself)."""
+    def _second_scores(self, text: str, where: str, policy: Policy, features: Any = None) -> list[Score]:
+        """The second opinion's scores of the stage's categories. `features`: what the turn's prefill
+        tapped for its detector (else it reads the text itself)."""
+        stage = policy.stage(where)
+        name = stage.second_opinion.detector
+        detector = self.detectors[name]
+        wanted = self._wanted(policy, stage.categories, name, detector)
+        scores = detector.score_features(features) if features is not None else self._scores(detector, text, where)
+        return [s for s in scores if s.category in wanted]
+
+    def _second_opinion(self, where: str, policy: Policy, doubt: Score, best: Hit | None,
+                        scored: list[Score]) -> Hit | None:
+        """The mean of the doubtful detector's top score and the second opinion's (`scored`, not empty),
+        under the second opinion's threshold for the stronger category; the better of that and `best`."""
         stage = policy.stage(where)
         second = stage.second_opinion
-        detector = self.detectors[second.detector]
-        wanted = self._wanted(policy, stage.categories, second.detector, detector)
-        scores = detector.score_features(features) if features is not None else self._scores(detector, text, where)
-        scored = [s for s in scores if s.category in wanted]
-        if not scored:
-            return False, None
         top = max(scored, key=lambda s: s.score)
-        category = doubt.category if doubt.category in wanted and doubt.score >= top.score else top.category
+        category = doubt.category if doubt.category in {s.category for s in scored} and doubt.score >= top.score \
+            else top.category
         rule = policy.rule(category)
         threshold = self._threshold(policy, stage, second.detector, category)
         combined = (doubt.score + top.score) / 2
         if combined < threshold:
-            return True, best
+            return best
         candidate = Hit(Score(category, combined, f"{second.after}+{second.detector}"), threshold, rule.action)
-        return True, candidate if best is None or candidate.key > best.key else best
+        return candidate if best is None or candidate.key > best.key else best
 
     @staticmethod
     def _wanted(policy: Policy, categories: tuple[str, ...], name: str, detector: Detector) -> list[str]:

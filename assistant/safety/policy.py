@@ -16,6 +16,9 @@ which categories count, and for each category the action and the score at which 
     after = "head"                                              # [band[0], band[1]); the mean of the two scores,
     band = [0.1, 0.95]                                          # against the category's `probe` threshold, then
                                                                 # replaces `after`'s hits (see safety/guard.py)
+    clears_below = 0.02                                         # optional: a text the second opinion scores under
+                                                                # this is allowed whatever `after` says, so a turn
+                                                                # that lends its prefill skips `after` (guard.py)
     [stages.retrieved]
     thresholds = { head = 0.8 }                                 # optional: this stage's own, over the category's
     [output]
@@ -54,6 +57,7 @@ class SecondOpinion:
     detector: str  # the slower detector that reads what `after` leaves in doubt
     after: str  # the detector whose top score says whether a text is in doubt
     band: tuple[float, float]  # `after`'s top score in [low, high): in doubt
+    clears_below: float = 0.0  # the second opinion's top score under which `after` has no say (0: never)
 
 
 @dataclass(frozen=True)
@@ -139,12 +143,14 @@ def _second_opinion(stage: dict, where: str) -> SecondOpinion | None:
         return None
     band = raw.get("band", ())
     numbers = isinstance(band, list) and len(band) == 2 and all(isinstance(b, (int, float)) for b in band)
+    clears = raw.get("clears_below", 0.0)
     ok = (isinstance(raw.get("detector"), str) and raw.get("after") in stage.get("detectors", ())
-          and numbers and 0.0 <= float(band[0]) < float(band[1]) <= 1.0)
+          and numbers and 0.0 <= float(band[0]) < float(band[1]) <= 1.0
+          and isinstance(clears, (int, float)) and not isinstance(clears, bool) and 0.0 <= clears < 1.0)
     if not ok:
         raise ConfigError(f"{where}.second_opinion needs detector = \"<name>\", after = one of the stage's detectors, "
-                          "and band = [low, high] with 0 <= low < high <= 1.")
-    return SecondOpinion(raw["detector"], raw["after"], (float(band[0]), float(band[1])))
+                          "band = [low, high] with 0 <= low < high <= 1, and (optionally) clears_below in [0, 1).")
+    return SecondOpinion(raw["detector"], raw["after"], (float(band[0]), float(band[1])), float(clears))
 
 
 def available_policies(extra_dir: str | Path | None = None) -> dict[str, Path]:
