@@ -12,7 +12,12 @@ bench/engine.py), guarded vs unguarded in the same run, and reports the added fr
 second opinion runs its own request (a scripted engine lends no hidden states). Then, on the packaged
 model, turns guarded vs unguarded (and guarded without the second opinion): the worst case, benign
 messages that all fall in the doubt band, where the second opinion reads the turn's own prefill
-(assistant/engine/taps.py); and typical ones, benign messages the heads are sure of.
+(assistant/engine/taps.py); and typical ones, benign messages the heads are sure of. Under the default
+policy the second opinion reads every guarded turn's prefill first and clears most benign messages
+(`clears_below`, assistant/safety/guard.py), so the head runs beside no prefill for them; guarded
+without the second opinion, the heads read beside every prefill, as every turn did before. Each is
+timed twice: at the engine's first token (what the input check costs the prefill) and at the first
+visible text (the output guard's hold-back too).
 Last line: one JSON object.
 """
 
@@ -23,6 +28,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -74,10 +80,10 @@ VARIANTS = {"unguarded": {"safety.enabled": False},  # the three assistants ttft
             "guarded": {"safety.enabled": True}}
 
 
-def ttft_real(sets: dict[str, list[str]], tmp: Path) -> dict[str, tuple[dict[str, list[float]], dict]]:
-    """Per set of messages: first-token times on the packaged small model, per VARIANTS entry, turns
-    interleaved (one assistant each, with its own engine, built once and warmed on each set's first
-    message); and how the guarded one's second opinions were read in that set."""
+def ttft_real(sets: dict[str, list[str]], tmp: Path) -> dict[str, tuple[dict[str, list[float]], dict[str, list[float]], dict]]:
+    """Per set of messages: first visible text and engine first-token times on the packaged small model,
+    per VARIANTS entry, turns interleaved (one assistant each, with its own engine, built once and warmed
+    on each set's first message); and how the guarded one's second opinions were read in that set."""
     from assistant.app import build_assistant
     from assistant.config import AssistantConfig
     from assistant.store import Store
@@ -90,27 +96,47 @@ def ttft_real(sets: dict[str, list[str]], tmp: Path) -> dict[str, tuple[dict[str
                                                          **overrides})
         built[name] = build_assistant(config, store=Store("sqlite://"), tools=[])
     probe = built["guarded"].safety.guard.detectors["probe"]
+    first_token: dict[str, list[float]] = {name: [] for name in built}  # the engine's first delta, per turn
+    for name, assistant in built.items():
+        engine = assistant.orchestrator.engine
+        engine.generate = _stamped(engine.generate, first_token[name])
     out = {}
     try:
         for key, messages in sets.items():
             times: dict[str, list[float]] = {name: [] for name in built}
+            engine_times: dict[str, list[float]] = {name: [] for name in built}
             before = dict(probe.reads)
             for i, text in enumerate([messages[0], *messages]):
                 for name, assistant in built.items():
+                    first_token[name].clear()
                     t = time.perf_counter()
                     for event in assistant.turn(None, text):
                         if event.type in ("text_delta", "done"):
                             if i:  # the first message only warms them up
                                 times[name].append((time.perf_counter() - t) * 1000)
+                                engine_times[name].append((first_token[name][0] - t) * 1000)
                             break
                     for _ in assistant.turn(None, "ok"):  # nothing left running between measurements
                         pass
             # tapped from the turn's prefill, or read by a request of its own
-            out[key] = times, {k: v - before.get(k, 0) for k, v in probe.reads.items()}
+            out[key] = times, engine_times, {k: v - before.get(k, 0) for k, v in probe.reads.items()}
     finally:
         for assistant in built.values():
             assistant.close()
     return out
+
+
+def _stamped(generate: Any, stamps: list[float]) -> Any:
+    """`generate`, noting when each call's first delta arrives."""
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        first = True
+        for delta in generate(*args, **kwargs):
+            if first:
+                stamps.append(time.perf_counter())
+                first = False
+            yield delta
+
+    return wrapped
 
 
 def _guard():
@@ -202,24 +228,29 @@ def main() -> None:
             measured = ttft_real({"doubtful": doubtful, "typical": sure}, Path(tmp))
         for key, what in (("doubtful", "benign messages that all get the second opinion"),
                           ("typical", "benign messages the heads are sure of (~80% of messages, no second opinion)")):
-            times, reads = measured[key]
+            times, engine_times, reads = measured[key]
 
-            def added(over: str, base: str) -> float:  # median of the per-message ratios
-                return round(float(np.median([g / p for p, g in zip(times[base], times[over])])) - 1, 4)
+            def added(over: str, base: str, of: dict[str, list[float]] = times) -> float:  # median of per-message ratios
+                return round(float(np.median([g / p for p, g in zip(of[base], of[over])])) - 1, 4)
 
             r = result[f"ttft_real_{key}"] = {
                 "turns": len(times["guarded"]), "second_opinion_reads": reads,
                 **{f"{name}_p50_ms": round(float(np.median(t)), 1) for name, t in times.items()},
                 "added_fraction": added("guarded", "unguarded"),
                 "second_opinion_added_fraction": added("guarded", "no_second_opinion"),
-                "without_second_opinion_added_fraction": added("no_second_opinion", "unguarded")}
+                "without_second_opinion_added_fraction": added("no_second_opinion", "unguarded"),
+                "engine_first_token_added_fraction": added("guarded", "unguarded", engine_times),
+                "engine_first_token_without_second_opinion_added_fraction": added("no_second_opinion", "unguarded",
+                                                                                  engine_times)}
             print(f"TTFT with the packaged model, {r['turns']} {what} (first visible text, so the output guard's "
                   f"hold-back counts): p50 unguarded {r['unguarded_p50_ms']} ms, guarded without the second opinion "
                   f"{r['no_second_opinion_p50_ms']} ms, guarded {r['guarded_p50_ms']} ms: +{r['added_fraction']:.1%} "
                   f"in all (median of per-message ratios), of which the second opinion "
                   f"+{r['second_opinion_added_fraction']:.1%} (read from the turn's prefill: {reads.get('tapped', 0)}, "
                   f"by a request of its own: {reads.get('own', 0)}) and the rest of the guards "
-                  f"+{r['without_second_opinion_added_fraction']:.1%}")
+                  f"+{r['without_second_opinion_added_fraction']:.1%}; at the engine's first token (the prefill alone): "
+                  f"guarded +{r['engine_first_token_added_fraction']:.1%}, without the second opinion "
+                  f"+{r['engine_first_token_without_second_opinion_added_fraction']:.1%}")
     print(json.dumps(result))
 
 
