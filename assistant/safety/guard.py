@@ -231,8 +231,8 @@ class SafetyGuard:
                         cancel.set()
                     tap.decline("an earlier detector blocked the message")
                     return others, None
-                return others, _SecondOpinion(stopping(lambda features=None: self._tapped(text, where, policy, features)),
-                                              tap)
+                return others, _SecondOpinion(
+                    stopping(lambda features=None: self._tapped(text, where, policy, others, features)), tap)
             first, later = self._first_hit(text, where, policy)
             if later is None and not self._clearable(where, policy, first):
                 if cancel is not None and first is not None and first.action == "block":
@@ -258,9 +258,10 @@ class SafetyGuard:
 
         return self._pending(text, where, decide, tap, begin)
 
-    def _tapped(self, text: str, where: str, policy: Policy, features: Any = None) -> Hit | None:
+    def _tapped(self, text: str, where: str, policy: Policy, others: Hit | None, features: Any = None) -> Hit | None:
         """`hit`, second opinion first: from the prefill's `features` (None: declined, so it reads the
-        text itself), a text it clears takes the other detectors' verdict without `after` running."""
+        text itself), a text it clears takes `others` (the other detectors' verdict, already read)
+        without `after` running."""
         second = policy.stage(where).second_opinion
         scored = None
         if features is not None:
@@ -270,7 +271,7 @@ class SafetyGuard:
                 features = None
         if scored is not None:
             if max((s.score for s in scored), default=1.0) < second.clears_below:
-                return self._first_hit(text, where, policy, without=second.after)[0]
+                return others
         first, later = self._first_hit(text, where, policy)
         return self._asker(text, where, policy, first, later)(features, scored)
 
