@@ -12,7 +12,8 @@ bench/engine.py), guarded vs unguarded in the same run, and reports the added fr
 second opinion runs its own request (a scripted engine lends no hidden states). Then, on the packaged
 model, turns guarded vs unguarded (and guarded without the second opinion): the worst case, benign
 messages that all fall in the doubt band, where the second opinion reads the turn's own prefill
-(assistant/engine/taps.py); and typical ones, benign messages the heads are sure of. Under the default
+(assistant/engine/taps.py); typical ones, benign messages the heads are sure of; and benign messages as
+they come (a seeded shuffle of all of them, whatever the heads say: ~19% doubtful). Under the default
 policy the second opinion reads every guarded turn's prefill first and clears most benign messages
 (`clears_below`, assistant/safety/guard.py), so the head runs beside no prefill for them; guarded
 without the second opinion, the heads read beside every prefill, as every turn did before. Each is
@@ -213,8 +214,12 @@ def main() -> None:
                       "guarded_p50_ms": round(p50_guarded, 1), "added_fraction": round(p50_guarded / p50_plain - 1, 4)}
     print(f"TTFT p50 unguarded {p50_plain:.1f} ms, guarded {p50_guarded:.1f} ms: "
           f"+{result['ttft']['added_fraction']:.1%} (goal <= 5%)")
-    if args.real_turns:  # the worst case (every message in the doubt band) and the typical one
+    if args.real_turns:  # the worst case (every message in the doubt band), the typical one, and as they come
+        import random
+
         layer_guard, doubtful, sure = _guard(), [], []
+        benign = [r["text"] for r in rows if r["label"] == "allow"]
+        mixed = random.Random(0).sample(benign, min(args.real_turns, len(benign)))
         for text in (r["text"] for r in rows if r["label"] == "allow"):
             verdict = layer_guard.check_early(text, where="input")
             if verdict.pending is not None:
@@ -226,10 +231,11 @@ def main() -> None:
             if len(doubtful) == len(sure) == args.real_turns:
                 break
         with tempfile.TemporaryDirectory() as tmp:
-            measured = ttft_real({"doubtful": doubtful, "typical": sure}, Path(tmp))
+            measured = ttft_real({"doubtful": doubtful, "typical": sure, "mixed": mixed}, Path(tmp))
         for key, what in (("doubtful", "benign messages that all get the second opinion"),
                           ("typical", "benign messages the heads are sure of (~80% of messages; outside a turn they need no second "
-                                      "opinion, in one the probe clears most of them)")):
+                                      "opinion, in one the probe clears most of them)"),
+                          ("mixed", "benign messages as they come (a seeded sample of all of them)")):
             times, engine_times, reads = measured[key]
 
             def added(over: str, base: str, of: dict[str, list[float]] = times) -> float:  # median of per-message ratios

@@ -36,17 +36,23 @@ Design note — hold back at most one sentence, release plain words early:
   are held until it is scored whole. Because the emitter stores what the last transformer emits, the
   stored message holds the redacted text. Every redaction and stop is audited (hash of the excerpt only).
   The answer's very first token is the one exception to "whole words only" (`_opener`): when it is,
-  exactly, one of OPENERS (common words an answer starts with: "To", "The", "Yes", "In", ...) or a
-  fragment of at most FRAGMENT_LETTERS ASCII letters ("Ant" of "Antibiotics") and nothing has been
-  shown yet, it goes out at once, before the next token says whether its word goes on ("To" ->
-  "Today"). What it shows is a public, common word or three letters, so even if that word turns out to
-  begin something redacted ("Tom.smith@corp.example" -> "To[redacted: email]", a random 32+ character
-  token, a verbatim run of the system prompt, which is redacted from there on, since windows are
-  scanned with the released part of their sentence in front) it discloses next to nothing. Holding
-  it for the next token cost a whole decode step (~25 ms, +28% of a short turn's first visible text
-  on the packaged model, bench/safety.py); the fragments were added when they were most of what was
-  still held (2026-11-28: 4 of the 7 first tokens held in 40 typical turns: "Ant", "Bre", "Ar", "N";
-  the rest "Three" and a quote mark). Every later word keeps the rules above.
+  exactly, one of OPENERS (common words an answer starts with: "To", "The", "Yes", "In", ...), a token
+  of letters alone (any script, at most FIRST_LETTERS: "Practice", "Para", "日本") or a single digit (a
+  numbered list's "1"), and nothing has been shown yet, it goes out at once, before the next token
+  says whether its word goes on ("To" -> "Today"). What it shows is one token of letters or one digit,
+  so even if it turns out to begin something redacted ("Tomas.smith@corp.example" ->
+  "Tomas[redacted: email]", a random 32+ character token, a verbatim run of the system prompt, which is
+  redacted from there on, since windows are scanned with the released part of their sentence in
+  front) it discloses next to nothing; a token with a digit and a letter, punctuation, or a leading
+  space is held as before. Holding it for the next token cost a whole decode step or more (~25-140
+  ms, +28% of a short turn's first visible text on the packaged model, bench/safety.py). The rule grew
+  with what was still held: common words first; then up to three ASCII letters (2026-11-28: 4 of the 7
+  first tokens held in 40 typical turns: "Ant", "Bre", "Ar", "N"); then any letters and one digit
+  (2026-11-29: 21 of 60 benign messages as they come, many of them not English, had their first token
+  held: "Play", "Para", "Bien", "日本", "Д", "1", ...). Over the 2,490 answer rows of tests/data cut into
+  the chat model's tokens, the last step changed the shown text of 4, each a disclosure block that now
+  shows less ("System[redacted: system prompt]" instead of "System: [redacted: ...]"), and showed the
+  first text sooner in 387. Every later word keeps the rules above.
   One instance serves one turn: `for_turn(conversation_id)` makes a fresh one bound to that
   conversation's policy.
 """
@@ -73,7 +79,7 @@ EARLY_CLOSENESS = 0.3
 # a word that may end an early release: letters (any script), inner ' or -, closing punctuation; no digit
 PLAIN_WORD = re.compile(rf"[(\"“«]?[^\W\d_]+(?:['’-][^\W\d_]+)*[{re.escape(TRAILING)}]*")
 # words an answer's first token may be shown as at once (see `_opener`): common, so showing one discloses nothing
-FRAGMENT_LETTERS = 3  # ... and so may a first token of at most this many ASCII letters, a word's start at most
+FIRST_LETTERS = 12  # ... and so may a first token of letters alone (any script) up to this many, or one digit
 OPENERS = frozenset("""a about absolutely according actually after again all also although an and another any
 are as at based because before being below both but by can certainly could dear did do does each even every
 first for from generally glad good great had has have he hello here hey hi how however i if in indeed instead
@@ -163,11 +169,11 @@ class OutputGuard(StreamTransformer):
         return max(cut, self._early_cut(cut), self._opener())
 
     def _opener(self) -> int:
-        """All of the pending text when it is the answer's first token and one of OPENERS or a short
-        fragment of letters (module notes)."""
+        """All of the pending text when it is the answer's first token and one of OPENERS, a token of
+        letters alone or a single digit (module notes)."""
         first = self.pending
-        short = len(first) <= FRAGMENT_LETTERS and first.isascii() and first.isalpha()
-        if self.shown_text or not (short or first.lower() in OPENERS):
+        plain = (len(first) <= FIRST_LETTERS and first.isalpha()) or (len(first) == 1 and first.isdigit())
+        if self.shown_text or not (plain or first.lower() in OPENERS):
             return 0
         if self.guard is not None and self.guard.closeness(self.pending, where="output",
                                                            policy=self.policy) >= EARLY_CLOSENESS:
