@@ -72,7 +72,8 @@ class E5:
 
             from assistant.engine.int8 import Linear, RowSplit
         except ImportError as e:
-            raise ModelError(f"The safety head's e5 needs torch and tokenizers ({e.name} is missing): run `make setup`.") from e
+            raise ModelError(f"The safety head's e5 needs torch and tokenizers ({e.name} is missing): "
+                             "run `make setup`.") from e
         self._torch, self._row_split = torch, RowSplit
         data = np.memmap(path, dtype=np.uint8, mode="r")
         if bytes(data[:4]) != b"E5S1":

