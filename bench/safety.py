@@ -13,7 +13,7 @@ second opinion runs its own request (a scripted engine lends no hidden states). 
 model, turns guarded vs unguarded (and guarded without the second opinion): the worst case, benign
 messages that all fall in the doubt band, where the second opinion reads the turn's own prefill
 (assistant/engine/taps.py); typical ones, benign messages the heads are sure of; and benign messages as
-they come (a seeded shuffle of all of them, whatever the heads say: ~19% doubtful). Under the default
+they come (a seeded sample of all of them, whatever the heads say, ~23% not English). Under the default
 policy the second opinion reads every guarded turn's prefill first and clears most benign messages
 (`clears_below`, assistant/safety/guard.py), so the head runs beside no prefill for them; guarded
 without the second opinion, the heads read beside every prefill, as every turn did before. Each is
