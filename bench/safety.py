@@ -220,7 +220,7 @@ def main() -> None:
         layer_guard, doubtful, sure = _guard(), [], []
         benign = [r["text"] for r in rows if r["label"] == "allow"]
         mixed = random.Random(0).sample(benign, min(args.real_turns, len(benign)))
-        for text in (r["text"] for r in rows if r["label"] == "allow"):
+        for text in benign:
             verdict = layer_guard.check_early(text, where="input")
             if verdict.pending is not None:
                 verdict.final()  # no second opinion left queued behind the measured turns
