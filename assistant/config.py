@@ -68,7 +68,7 @@ class EngineConfig:
     large_model: str = "auto"
     device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16"
-    num_threads: int = 0  # torch intra-op threads on CPU; 0 = one per two vCPUs (see engine/loading.py)
+    num_threads: int = 0  # CPU threads of torch and the native kernels; 0 = torch one per two vCPUs, kernels one per core (engine/loading.py)
     max_context_tokens: int = 0  # prompt + answer budget; 0 = the model's own context window (capped at 32768)
     max_new_tokens: int = 512  # default answer length limit when a request does not give one
     remote_url: str = ""  # an OpenAI-compatible server (vLLM, TGI, ...) instead of the in-process model

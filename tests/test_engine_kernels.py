@@ -515,3 +515,75 @@ def test_native_argmax_is_torchs_argmax():
         assert model_module.argmax(rows) == rows.argmax(-1).tolist()  # what the engine and the draft model call
     sliced = torch.randn(4, 40, generator=gen)[:, 3:37]  # not contiguous
     assert ops.argmax_rows(sliced).tolist() == sliced.argmax(-1).tolist()
+
+
+def _every_kernel(ops, seed: int) -> list:
+    """One call of every threaded kernel on shapes that split into many chunks (csrc/pool.h)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(1000, 200, generator=g) * 0.05)
+    q8 = (weight / (weight.abs().amax(1, keepdim=True) / 127)).round().to(torch.int8)
+    scale = weight.abs().amax(1) / 127
+    packed = ops.pack(q8)
+    x = torch.randn(12, 200, generator=g)
+    refine = torch.tensor([True, False] * 6)
+    head = ops.head_pack(q8)
+    kc, vc = torch.randn(96, 2, 64, generator=g), torch.randn(96, 2, 64, generator=g)
+    q = torch.randn(10, 6, 64, generator=g)
+    slots = torch.randperm(96, generator=g)[:40]
+    return [
+        ops.linear(x, packed, scale, None, refine, 0),
+        ops.linear(x[:5], packed, scale, None, refine[:5], 4),
+        *ops.quantize(x, refine, 0),
+        *ops.head_greedy(x[:8], *head, q8, scale, None, 8.0),
+        ops.argmax_rows(torch.randn(9, 5000, generator=g)),
+        ops.rms_norm(x, torch.randn(200, generator=g), 1e-6),
+        ops.swiglu(torch.randn(12, 400, generator=g)),
+        ops.attend(q, kc, vc, slots, torch.tensor([0, 25, 40]), torch.tensor([0, 7, 10])),
+    ]
+
+
+def test_threaded_kernels_give_the_same_bits_on_any_number_of_threads_and_callers(ops):
+    """The kernels split their work over their own pool (csrc/pool.h): the split, a pool larger than the
+    machine, and two callers at once (the second runs alone) must never change a bit of any result."""
+    import threading
+
+    before = ops.threads()
+    try:
+        ops.set_threads(1)
+        assert ops.threads() == 1
+        want = [_every_kernel(ops, seed) for seed in range(3)]
+        for n in (2, 3, 5):
+            ops.set_threads(n)
+            assert ops.threads() == n
+            for seed in range(3):
+                assert all(torch.equal(a, b) for a, b in zip(_every_kernel(ops, seed), want[seed])), (n, seed)
+        got: dict[int, list] = {}
+
+        def caller(seed: int) -> None:
+            got[seed] = [_every_kernel(ops, seed) for _ in range(20)][-1]
+
+        threads = [threading.Thread(target=caller, args=(seed,)) for seed in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(torch.equal(a, b) for seed in range(3) for a, b in zip(got[seed], want[seed]))
+    finally:
+        ops.set_threads(before)
+
+
+def test_the_engine_thread_count_reaches_the_kernels(ops):
+    """engine.num_threads = N gives torch and the kernels N threads; 0 gives the kernels one per core."""
+    import os
+
+    from assistant.engine.loading import physical_cores, set_threads
+
+    before, kernels = torch.get_num_threads(), ops.threads()
+    try:
+        assert set_threads(3) == 3 and torch.get_num_threads() == 3 and ops.threads() == 3
+        assert set_threads(1) == 1 and ops.threads() == 1
+        assert set_threads(0) == max(1, (os.cpu_count() or 2) // 2) and ops.threads() == physical_cores()
+        assert 1 <= physical_cores() <= (os.cpu_count() or 1)
+    finally:
+        torch.set_num_threads(before)
+        ops.set_threads(kernels)

@@ -31,13 +31,13 @@
 // the same packed block the GEMM has just streamed (L1/L2), byte k % 4 of each output's word.
 // Measured by bench/engine.py's step curve (native.py has the figures).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <vector>
 
 #include "int8_common.h"
 #include "native.h"
+#include "pool.h"
 
 namespace {
 
@@ -191,7 +191,7 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine, int64
   int8_t* qp = xq.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   const bool* rp = refine.data_ptr<bool>();
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+  int8k::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
       quantize_into(rows, rp, xp + i * K, K, i, sp + i, qp + i * K, rows.res[i] >= 0 ? qp + rows.res[i] * K : nullptr,
                     nullptr);
@@ -231,7 +231,7 @@ torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, 
   const float* wsp = ws.data_ptr<float>();
   const float* xsp = xscale.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+  int8k::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const __m512 s = _mm512_set1_ps(xsp[i]);
       const int8k::Outliers* outl = m && rows.outl[i].n ? &rows.outl[i] : nullptr;
@@ -266,7 +266,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor ws, c1
   std::vector<float> xscale(n);
   std::vector<int32_t> corr(total);  // 128 * sum(q) per GEMM row: the weights' + 128
   const bool* rp = refine.data_ptr<bool>();
-  at::parallel_for(0, n, QUANTIZE_GRAIN, [&](int64_t i0, int64_t i1) {
+  int8k::parallel_for(0, n, QUANTIZE_GRAIN, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i)
       quantize_into(rows, rp, x.data_ptr<float>() + i * K, K, i, &xscale[i], q.data() + i * K4 * 4,
                     rows.res[i] >= 0 ? q.data() + rows.res[i] * K4 * 4 : nullptr, corr.data());
@@ -274,7 +274,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor ws, c1
   auto out = torch::empty({n, N}, x.options());
   const int32_t* xb = reinterpret_cast<const int32_t*>(q.data());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  int8k::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     run_blocks(rows, packed.data_ptr<uint8_t>(), xb, K4, corr.data(), ws.data_ptr<float>(), xscale.data(), bp,
                out.data_ptr<float>(), N, b0, b1);
   });
@@ -295,5 +295,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, nogil, "causal attention of a step's queries over paged KV slots");
   m.def("swiglu", &swiglu, nogil, "silu(gate) * up over (T, 2F) rows");
   register_decode_stack(m);
+  m.def("set_threads", [](int n) { int8k::pool().resize(n); }, nogil,
+        "threads the kernels split their work over, the caller included (1: only the caller)");
+  m.def("threads", [] { return int8k::pool().threads(); }, "threads the kernels split their work over");
   m.attr("MAX_ROWS") = MAX_ROWS;
 }

@@ -3,7 +3,6 @@
 // fp32 only; every path of the model (prefill, decode, batched or not) calls these same functions,
 // so a sequence's numbers never depend on what else is in the step.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -12,6 +11,7 @@
 
 #include "int8_common.h"
 #include "native.h"
+#include "pool.h"
 
 namespace {
 
@@ -144,7 +144,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  int8k::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* row = xp + t * D;
       double ss = 0.0;
@@ -177,7 +177,7 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   TORCH_CHECK(kc.dtype() == vc.dtype() && (kc.dtype() == torch::kFloat || kc.dtype() == torch::kBFloat16),
               "rope_store: the KV cache must be float32 or bfloat16");
   auto run = [&](auto* kp, auto* vp) {
-    at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    int8k::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
       float row[256];
       for (int64_t t = t0; t < t1; ++t) {
         const float* c = cp + t * hd;
@@ -232,7 +232,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
   TORCH_CHECK(G <= 256, "attend: at most 256 query heads per kv head");
   auto run = [&](const auto* kp, const auto* vp) {
     // one work item per (query row, kv head): its G query heads share every key and value load
-    at::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
+    int8k::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> p;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / KVH, g = i % KVH, b = seq_of[t];
@@ -263,7 +263,7 @@ torch::Tensor swiglu(torch::Tensor gu) {
   auto out = torch::empty({T, F}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  int8k::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* g = gp + t * 2 * F;
       const float* u = g + F;

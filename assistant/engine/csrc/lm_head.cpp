@@ -19,7 +19,6 @@
 // Qwen2.5-0.5B, the largest |e_v| / sigma_v was 5.4 over ~5e7 token-rows). Ties resolve to the lowest
 // index in both. Rows that sample use the full head.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cstring>
@@ -27,6 +26,7 @@
 
 #include "int8_common.h"
 #include "native.h"
+#include "pool.h"
 
 namespace {
 
@@ -157,12 +157,12 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
   const Screen sc{packed.data_ptr<uint8_t>(), mean.data_ptr<float>(), ws.data_ptr<float>(), margin.data_ptr<float>(),
                   K4, N};
   // one stream over the 4-bit copy for every row: per block, tiles of TILE_ROWS rows over chunks of its K
-  const int threads = at::get_num_threads();
+  const int threads = int8k::pool().threads();
   std::vector<float> lower(static_cast<size_t>(threads) * n * 16, -INFINITY);
   const int64_t chunk = n <= int8k::TILE_ROWS ? K4 : CHUNK;
   const int tiles = static_cast<int>((n + int8k::TILE_ROWS - 1) / int8k::TILE_ROWS);
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
-    float* lw = lower.data() + static_cast<size_t>(at::get_thread_num()) * n * 16;
+  int8k::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
+    float* lw = lower.data() + static_cast<size_t>(int8k::Pool::index()) * n * 16;
     std::vector<int32_t> acc(n * BLOCK);
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = sc.packed + b * K4 * NIBBLE_BYTES;
@@ -211,7 +211,7 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
     }
     const int8_t* qi = q.data() + i * Kx;
     const int8_t* ri = r.data() + i * Kx;
-    at::parallel_for(0, count, 64, [&](int64_t c0, int64_t c1) {
+    int8k::parallel_for(0, count, 64, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t v = cand[c];
         const int32_t a0 = dot_row(wp + v * K, qi, K, corr_q[i]), a1 = dot_row(wp + v * K, ri, K, corr_r[i]);
@@ -234,7 +234,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   auto out = torch::empty({n}, logits.options().dtype(torch::kLong));
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+  int8k::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* row = lp + i * V;
       __m512 best = _mm512_set1_ps(-INFINITY);
