@@ -572,6 +572,34 @@ def test_threaded_kernels_give_the_same_bits_on_any_number_of_threads_and_caller
         ops.set_threads(before)
 
 
+def test_a_forked_child_runs_the_threaded_kernels_alone(ops):
+    import os
+    import time
+
+    before = ops.threads()
+    try:
+        ops.set_threads(3)
+        want = _every_kernel(ops, 1)
+        pid = os.fork()
+        if pid == 0:  # the child: the pool's workers did not come along
+            try:
+                torch.set_num_threads(1)  # torch's own OpenMP team did not either (libgomp hangs on it)
+                same = all(torch.equal(a, b) for a, b in zip(_every_kernel(ops, 1), want))
+                os._exit(0 if same and ops.threads() == 1 else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 120
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the forked child hung or failed"
+        assert all(torch.equal(a, b) for a, b in zip(_every_kernel(ops, 1), want))  # the parent's pool still works
+    finally:
+        ops.set_threads(before)
+
+
 def test_the_engine_thread_count_reaches_the_kernels(ops):
     """engine.num_threads = N gives torch and the kernels N threads; 0 gives the kernels one per core."""
     import os

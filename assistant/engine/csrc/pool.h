@@ -30,10 +30,16 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <vector>
 
+#include <pthread.h>
+
 namespace int8k {
+
+class Pool;
+inline Pool& pool();
 
 class Pool {
  public:
@@ -41,6 +47,10 @@ class Pool {
   static constexpr int CHUNKS_PER_THREAD = 4;
   static constexpr int64_t SPIN_US = 2000;
 
+  Pool() {
+    // A forked child has none of the workers: it runs every job alone and never joins their threads.
+    pthread_atfork(nullptr, nullptr, [] { pool().forget_workers(); });
+  }
   ~Pool() { resize(1); }
 
   // Participants of a job, the caller included; 1 runs everything on the caller.
@@ -61,6 +71,15 @@ class Pool {
   }
 
   int threads() const { return threads_.load(std::memory_order_relaxed); }
+
+  void forget_workers() {  // in a forked child only: the threads are gone, their handles must not be joined
+    new (&workers_) std::vector<std::thread>();  // the parent's vector is abandoned, not destroyed
+    new (&busy_) std::mutex();
+    new (&sleep_) std::mutex();
+    new (&wake_) std::condition_variable();
+    sleeping_.store(0);
+    threads_.store(1);
+  }
 
   // This thread's participant index within the running job (0: the caller, or no job).
   static int& index() {
@@ -173,6 +192,7 @@ class Pool {
   Job job_{};
   std::atomic<bool> stop_{false};
 };
+
 
 inline Pool& pool() {
   static Pool p;
