@@ -162,7 +162,10 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
   const int64_t chunk = n <= int8k::TILE_ROWS ? K4 : CHUNK;
   const int tiles = static_cast<int>((n + int8k::TILE_ROWS - 1) / int8k::TILE_ROWS);
   int8k::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
-    float* lw = lower.data() + static_cast<size_t>(int8k::Pool::index()) * n * 16;
+    // a participant's own bounds; a pool grown since `threads` was read (only a resize mid-call) shares the last
+    // slot, which can only lose a bound: fewer pruned candidates, never a missed argmax
+    const int slot = std::min(int8k::Pool::index(), threads - 1);
+    float* lw = lower.data() + static_cast<size_t>(slot) * n * 16;
     std::vector<int32_t> acc(n * BLOCK);
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = sc.packed + b * K4 * NIBBLE_BYTES;

@@ -97,26 +97,30 @@ class Pool {
   void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     if (begin >= end) return;
     grain = std::max<int64_t>(grain, 1);
-    const int n = threads();
     const int64_t items = end - begin, most = (items + grain - 1) / grain;
-    const int64_t chunks = std::min<int64_t>(most, static_cast<int64_t>(n) * CHUNKS_PER_THREAD);
-    if (n == 1 || chunks < 2 || inside() || !busy_.try_lock()) {  // serial: alone, small, nested or busy
+    if (threads() == 1 || most < 2 || inside() || !busy_.try_lock()) {  // serial: alone, small, nested or busy
       f(begin, end);
       return;
     }
     std::lock_guard<std::mutex> job(busy_, std::adopt_lock);
+    const int n = threads();  // fixed while busy_ is held (resize takes it)
+    const int64_t chunks = std::min<int64_t>(most, static_cast<int64_t>(n) * CHUNKS_PER_THREAD);
     Job j{&f, &call<F>, begin, end, (items + chunks - 1) / chunks};
     job_ = j;
     error_ = nullptr;
     done_.store(0, std::memory_order_relaxed);
     const uint64_t gen = (ticket_.load(std::memory_order_relaxed) >> 40) + 1;
-    ticket_.store(((gen & 0xFFFFFF) << 40) | (static_cast<uint64_t>(chunks) << 20), std::memory_order_release);
-    if (sleeping_.load(std::memory_order_acquire) > 0) {
+    // seq_cst store and load (and the sleeper's seq_cst increment): either it sees this job or we see it asleep
+    ticket_.store(((gen & 0xFFFFFF) << 40) | (static_cast<uint64_t>(chunks) << 20), std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lock(sleep_);
       wake_.notify_all();
     }
     run_chunks(0);
-    while (done_.load(std::memory_order_acquire) < chunks) _mm_pause();
+    for (int spins = 1; done_.load(std::memory_order_acquire) < chunks; ++spins) {
+      _mm_pause();
+      if ((spins & 63) == 0) std::this_thread::yield();  // a preempted worker holding a chunk may need this core
+    }
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -166,7 +170,7 @@ class Pool {
         if ((spins & 63) == 63) {
           if (std::chrono::steady_clock::now() > until) {
             std::unique_lock<std::mutex> lock(sleep_);
-            sleeping_.fetch_add(1, std::memory_order_acq_rel);
+            sleeping_.fetch_add(1, std::memory_order_seq_cst);
             wake_.wait(lock, [&] { return stop_ || (ticket_.load(std::memory_order_acquire) >> 40) != seen; });
             sleeping_.fetch_sub(1, std::memory_order_acq_rel);
             until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
@@ -192,7 +196,6 @@ class Pool {
   Job job_{};
   std::atomic<bool> stop_{false};
 };
-
 
 inline Pool& pool() {
   static Pool p;
