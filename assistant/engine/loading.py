@@ -58,8 +58,9 @@ def set_threads(num_threads: int) -> int:
     """engine.num_threads: N > 0 gives torch and the native kernels N threads each. 0 gives torch one per
     two vCPUs (its OpenMP teams stall on a busy sibling: 2 threads ran 20x slower) and the native kernels
     one per core: their own pool (csrc/pool.h) hands a busy core's share to the others. Measured on 2
-    cores, Qwen2.5-0.5B decode: 1 stream 34-39 -> 46-57 tok/s, 8 streams 190-192 -> 254-265 tok/s; with a
-    neighbour burning one core, 35 -> 31-36 and 178-184 -> 179-189."""
+    cores, Qwen2.5-0.5B decode, the pool at 1 and 2 threads: 1 stream 43 -> 59-61 tok/s, 8 streams 211-212
+    -> 348-351 tok/s; with a neighbour burning one core (the pool's first version), 35 -> 31-36 and
+    178-184 -> 179-189."""
     from assistant.engine.native import set_threads as set_kernel_threads
 
     torch = _require_torch()

@@ -74,8 +74,9 @@ inter-token latency 35.8 ms fp32 KV, 30.9 ms bf16 KV, paired ratios 0.85-0.89; g
 on 8 of 9 prompts, so bf16 KV stays opt-in (the default keeps the model's dtype).
 Threads. The kernels split their work with csrc/pool.h, their own pool (its note says why not
 at::parallel_for, which this extension, built without OpenMP, had run on one thread all along): the
-engine's thread is one participant, engine.num_threads (or one per core) the count. 2 cores, one stream:
-step 29.2 -> 17.4 ms on the engine's thread; 8 rows 40.2 -> 24.4 ms.
+engine's thread is one participant, engine.num_threads (or one per core) the count. 2 cores, the pool's
+first version: step 29.2 -> 17.4 ms on the engine's thread, 8 rows 40.2 -> 24.4 ms; bench/engine.py after
+its caller yields to a preempted worker: a 1-row step 14.6 ms, 8 streams 5.56x one stream's tok/s.
 The int8 kernels keep the engine's arithmetic exactly (integer dot products, one float epilogue in a fixed
 order, built with -ffp-contract=off), so prefill rows through `quantize` + `torch._int_mm` +
 `finish` are bit-identical to decode rows through `linear`, and batching never changes a row.
