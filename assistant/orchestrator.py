@@ -366,7 +366,8 @@ class Orchestrator:
             return False
         try:
             keep, reply = passages_hold_answer(self.router.large(), user.content,
-                                               cited_passages(markers, turn.ledger.passages), cancel=cancel)
+                                               cited_passages(markers, turn.ledger.passages), turn.ledger.passages,
+                                               cancel=cancel)
         except AssistantError:  # the check may only withdraw: without it the answer stands
             return False
         meta["answer_check"] = reply

@@ -1,5 +1,6 @@
 """The answer check (assistant/answer_check.py): the large model re-reads the passages a document
-answer cites; a "no" withdraws the answer for a refusal, anything else keeps it."""
+answer cites; a "no", confirmed by a second reading of every passage of the turn, withdraws the answer
+for a refusal; anything else keeps it."""
 
 from dataclasses import replace
 
@@ -16,27 +17,42 @@ class Large(ScriptedEngine):
     name = "large"
 
 
-def _turn(tmp_path, large_script, *, small_script=(), large=True, **options):
+# a second passage the question's search also finds, which the answer does not cite
+CLAIMS = "Warranty claims for the Zephyr X2 need the receipt and the serial number."
+
+
+def _turn(tmp_path, large_script, *, small_script=(), large=True, manual=MANUAL, **options):
     small, big = ScriptedEngine(list(small_script)), Large(list(large_script))
-    orch, _ = make_orchestrator(tmp_path, engine=small, retriever=FakeRetriever(MANUAL))
+    orch, _ = make_orchestrator(tmp_path, engine=small, retriever=FakeRetriever(manual))
     orch.router = Router(small, big if large else None, RoutingPolicy())
     orch.options = replace(orch.options, **options)
     events = list(orch.run_turn(None, "How long is the warranty period?"))
     return orch, events, small, big
 
 
-def test_a_no_withdraws_the_answer_for_a_refusal_that_names_the_passages(tmp_path):
-    orch, events, _, big = _turn(tmp_path, ["The warranty is 7 years [1].", "no"])
+def test_two_noes_withdraw_the_answer_for_a_refusal_that_names_the_passages(tmp_path):
+    manual = {doc: [*lines, CLAIMS] for doc, lines in MANUAL.items()}
+    orch, events, _, big = _turn(tmp_path, ["The warranty is 7 years [1].", "no", "No"], manual=manual)
     done = events[-1]
     assert done.text.startswith("The documents I searched do not say.") and "zephyr_manual.pdf" in done.text
     assert any(isinstance(e, Notice) and e.message == WITHDRAWN for e in events)
     assert not any(isinstance(e, Sources) and e.sources for e in events)  # nothing cited is left to show
     stored = orch.store.get_message(done.message_id)
-    assert stored.content == done.text and stored.meta["answer_check"] == "no" and stored.meta["sources"] == []
+    assert stored.content == done.text and stored.meta["answer_check"] == "no/No" and stored.meta["sources"] == []
     assert stored.meta["withdrawn_answer"] == "The warranty is 7 years [1]."
-    check = big.prompts[1]
-    assert "Question: How long is the warranty period?" in check[-1]["content"]
-    assert "warranty period of 7 years" in check[-1]["content"]  # the passage the answer cited
+    check, second = big.prompts[1][-1]["content"], big.prompts[2][-1]["content"]
+    assert "Question: How long is the warranty period?" in check and "Question: How long" in second
+    assert "warranty period of 7 years" in check  # the passage the answer cited ...
+    assert "receipt" not in check and "receipt" in second  # ... then every passage of the turn
+    assert "Does the passage contain" in check and "Do the passages contain" in second
+
+
+def test_a_no_that_the_second_reading_over_every_passage_does_not_confirm_keeps_the_answer(tmp_path):
+    orch, events, _, big = _turn(tmp_path, ["The warranty is 7 years [1].", "no", "yes"])
+    assert events[-1].text == "The warranty is 7 years [1]." and len(big.prompts) == 3
+    assert not any(isinstance(e, Notice) and e.message == WITHDRAWN for e in events)
+    assert [s.marker for e in events if isinstance(e, Sources) for s in e.sources] == [1]
+    assert orch.store.get_message(events[-1].message_id).meta["answer_check"] == "no/yes"
 
 
 def test_a_yes_keeps_the_answer_and_its_sources(tmp_path):
