@@ -73,14 +73,15 @@ def bullet_runs(lines: Sequence[str]) -> list[ItemList]:
     """Bulleted or numbered items, each with the lines it wraps onto: a PDF breaks "... are subclasses
     of" / "application/octet-stream." over two lines. A line continues the item before it when that
     item has no closing punctuation yet and the line starts in lower case or with a symbol (a new
-    sentence or heading starts with a capital), at most MAX_WRAPS lines. A line ending in ":" between
+    sentence or heading starts with a capital), at most MAX_WRAPS lines; a marker with nothing after it
+    ("100." alone, the end of "The priority defaults to") is such a line, not an item. A line ending in ":" between
     items starts a new list (it introduces one), and so does a number out of sequence ("3. Modifiers",
     the section's own heading, then "1. NNN days"); other prose between items (a page's running
     header) does not."""
     runs: list[ItemList] = []
     wraps, number = MAX_WRAPS, None
     for i, line in enumerate(lines):
-        if BULLET.match(line) and not OPTION.match(line):
+        if BULLET.match(line) and not OPTION.match(line) and BULLET.sub("", line, count=1).strip():
             digits = re.match(r"\s*\(?(\d+)", line)
             n = int(digits.group(1)) if digits else None
             if not runs or wraps == -1 or (n is not None and number is not None and n != number + 1):

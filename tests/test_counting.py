@@ -130,6 +130,16 @@ def test_a_bullet_wrapped_over_two_lines_keeps_its_end():
     assert section_items(unfinished) == ["first item", "second item"]  # a capitalised line is not a wrap
 
 
+def test_a_number_alone_on_a_line_is_the_end_of_a_sentence_not_an_item():
+    # the shared-mime-info spec's element list ran on to "The default is" / "100." and was counted as 14 of 13
+    text = ("A mime-type node may contain any of the following elements:\n• glob elements have a pattern.\n"
+            "• magic elements contain a list of rules. The priority defaults to\n100.\n"
+            "• treemagic elements contain a list of treematch rules.\nEach treematch element has attributes:")
+    assert section_items(text) == ["glob elements have a pattern.",
+                                   "magic elements contain a list of rules. The priority defaults to 100.",
+                                   "treemagic elements contain a list of treematch rules."]
+
+
 def test_counted_items_carry_one_marker_each_after_the_citation_check():
     ledger = SourceLedger()
     ledger.add("spec.pdf", 14, "All text/* types are subclasses of text/plain. All streamable types are "
