@@ -34,8 +34,9 @@ Design note — a second reading catches the nearby fact:
     missing from the passage?") was no second opinion: it said "not missing" to 9 of the 10 answers
     the first reading doubted, right or wrong.
   * Cost: one prefill of the cited passages (~400 tokens) and at most two generated tokens, ~2.6 s
-    for the 1.5B model on 2 vCPUs, plus a second reading of all passages (~1,200 tokens) after a
-    "no"; only document answers written by the large model pay it.
+    for the 1.5B model on 2 vCPUs, plus a second reading of all the turn's passages after a "no"
+    (read on every answer, that reading took ~3x the first one's time); only document answers
+    written by the large model pay it.
 """
 
 from __future__ import annotations
