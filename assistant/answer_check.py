@@ -52,7 +52,7 @@ CHECK_PROMPT = ("Passage:\n{passages}\n\nQuestion: {question}\n\n"
                 "Does the passage contain the answer to this question? Reply with one word: yes or no.")
 CHECK_ALL_PROMPT = ("Passages:\n{passages}\n\nQuestion: {question}\n\n"
                     "Do the passages contain the answer to this question? Reply with one word: yes or no.")
-WITHDRAWN = "The answer was withdrawn: read again, the passages it cited do not answer the question."
+WITHDRAWN = "The answer was withdrawn: read again, neither the passages it cited nor the others found answer the question."
 
 
 def passages_hold_answer(engine: Engine, question: str, passages: Sequence[Passage],
@@ -64,10 +64,14 @@ def passages_hold_answer(engine: Engine, question: str, passages: Sequence[Passa
     if not passages or not question.strip():
         return True, ""
     reply = _ask(engine, CHECK_PROMPT, question, passages, cancel)
-    if not reply.lower().startswith("no") or not everything:
-        return not reply.lower().startswith("no"), reply
+    if not _no(reply) or not everything:
+        return not _no(reply), reply
     second = _ask(engine, CHECK_ALL_PROMPT, question, everything, cancel)
-    return not second.lower().startswith("no"), f"{reply}/{second}"
+    return not _no(second), f"{reply}/{second}"
+
+
+def _no(reply: str) -> bool:
+    return reply.lower().startswith("no")
 
 
 def _ask(engine: Engine, template: str, question: str, passages: Sequence[Passage],
