@@ -21,7 +21,12 @@ whole token) move to the front, in fused order. Fusion still happens in Qdrant; 
 sort of at most `candidates` hits. When a query names several identifiers, a chunk weighs the sum of
 1/df of those it holds (df: how many candidates hold it), so the rare one counts: in "since which
 libtasn1 version is asn1_perror available?" every chunk of the manual holds "libtasn1", and a plain
-"holds any" partition left the one chunk with asn1_perror fourth behind the title page.
+"holds any" partition left the one chunk with asn1_perror fourth behind the title page. An identifier
+that many candidates hold (more than COMMON_SHARE of them, and more than COMMON_FLOOR) is the topic or
+the library's own name ("ASN.1", "libtasn1"), not what is asked for, and moves nothing: with it, any
+chunk holding "ASN.1" outranked the one that defines asn1_delete_structure, which holds neither.
+On the eval library's dev questions, the four passages held every expected string for 64 of 74
+answerable non-count questions before and 66 after; on the held-out test part, 72 -> 76 of 80.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$|\|[^|\n]*\|[^|\n]*\|", re.M)  # a Markdo
 RULE = re.compile(r"\|(?:\s*:?-{3,}:?\s*\|)+")  # "| --- | :---: |", under a table's header row
 # a token with a letter and a digit (XK-4471Q, E1234, v2.3.1, sha256) or a snake_case name
 IDENTIFIER = re.compile(r"(?<![\w.-])(?:(?=[\w.-]*\d)(?=[\w.-]*[^\W\d_])[^\W_][\w.-]*[^\W_]|[^\W\d_]\w*_\w+)(?![\w-])")
+
+
+COMMON_SHARE, COMMON_FLOOR = 0.1, 5  # an identifier in more candidates than this is not a distinguishing one
 
 
 def query_identifiers(query: str) -> list[str]:
@@ -128,7 +136,8 @@ class Retriever:
         if identifiers:  # exact identifiers first, the rarest weighing most (module docstring), then the fused order
             held = [[contains_identifier(h.text, [ident]) for ident in identifiers] for h in hits]
             df = [sum(row[j] for row in held) for j in range(len(identifiers))]
-            weight = [sum(1 / df[j] for j, has in enumerate(row) if has) for row in held]
+            common = max(COMMON_FLOOR, COMMON_SHARE * len(hits))
+            weight = [sum(1 / df[j] for j, has in enumerate(row) if has and df[j] <= common) for row in held]
             hits = [h for _, h in sorted(zip(weight, hits), key=lambda pair: -pair[0])]  # stable: fused order within
         return distinct(hits)[:k]
 

@@ -197,3 +197,26 @@ def test_tied_scores_come_back_in_one_order_whatever_order_the_index_gives():
     retriever = Retriever(TieIndex(), HashEmbedder(DIM))
     orders = {tuple(h.chunk_id for h in retriever.search("what text", k=4)) for _ in range(4)}
     assert orders == {("id-z", "id-a", "id-b", "id-c")}
+
+
+def test_an_identifier_most_candidates_hold_moves_nothing():
+    # "ASN.1" is the topic of a whole manual: any chunk holding it outranked the one defining
+    # asn1_delete_structure, which holds neither it nor "libtasn1" (dev tasn1-002 was refused for it).
+    from ingest.index_base import ScoredPayload
+
+    class FixedIndex:
+        def query(self, **_: object) -> list:
+            target = ScoredPayload("id-target", 0.05, {"doc_id": "d", "path": "/m.pdf", "page": 12,
+                                                       "text": "asn1 delete structure: deletes the whole structure, sets it to NULL."})
+            topical = [ScoredPayload(f"id-{i:02d}", 0.04 - i / 1000, {"doc_id": "d", "path": "/m.pdf", "page": i,
+                                                                     "text": f"ASN.1 definitions, part {i}."})
+                       for i in range(12)]
+            rare = ScoredPayload("id-rare", 0.01, {"doc_id": "d", "path": "/m.pdf", "page": 30,
+                                                   "text": "Only here: the asn1_perror function prints an error."})
+            return [target, *topical, rare]
+
+    retriever = Retriever(FixedIndex(), HashEmbedder(DIM))
+    assert retriever.search("Which function deletes a whole ASN.1 structure?", k=3)[0].chunk_id == "id-target"
+    # a rare identifier still comes first, whatever its fused rank; the common one beside it weighs nothing
+    hits = retriever.search("Since which ASN.1 library version is asn1_perror available?", k=3)
+    assert [h.chunk_id for h in hits] == ["id-rare", "id-target", "id-00"]
