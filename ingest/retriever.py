@@ -21,10 +21,14 @@ whole token) move to the front, in fused order. Fusion still happens in Qdrant; 
 sort of at most `candidates` hits. When a query names several identifiers, a chunk weighs the sum of
 1/df of those it holds (df: how many candidates hold it), so the rare one counts: in "since which
 libtasn1 version is asn1_perror available?" every chunk of the manual holds "libtasn1", and a plain
-"holds any" partition left the one chunk with asn1_perror fourth behind the title page. An identifier
-that many candidates hold (more than COMMON_SHARE of them, and more than COMMON_FLOOR) is the topic or
-the library's own name ("ASN.1", "libtasn1"), not what is asked for, and moves nothing: with it, any
-chunk holding "ASN.1" outranked the one that defines asn1_delete_structure, which holds neither.
+"holds any" partition left the one chunk with asn1_perror fourth behind the title page. A chunk earns
+nothing for an identifier its own document's title (the first two lines) or file name holds ("ASN.1"
+and "libtasn1" in the libtasn1 manual, whose title page reads "Libtasn1 / Abstract Syntax Notation One
+(ASN.1) library"): that is what the whole document is about, not what is asked for. The title's own
+chunk keeps its credit (a short note's first lines are all of it). Before this, any chunk holding
+"ASN.1" outranked the one that defines asn1_delete_structure, which holds neither, and "which
+function deletes a whole ASN.1 structure" was refused. How often a candidate holds an identifier
+does not tell the two apart: "ASN.1" and "asn1Decoding" are each in 8-9 of 50 candidates there.
 On the eval library's dev questions, the four passages held every expected string for 64 of 74
 answerable non-count questions before and 66 after; on the held-out test part, 72 -> 76 of 80.
 """
@@ -36,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ingest.embed import Bm25Encoder, Embedder
+from ingest.errors import DocumentNotFound
 from ingest.index_base import VectorIndex
 from ingest.pipeline import find_document, list_documents
 
@@ -46,12 +51,17 @@ RULE = re.compile(r"\|(?:\s*:?-{3,}:?\s*\|)+")  # "| --- | :---: |", under a tab
 IDENTIFIER = re.compile(r"(?<![\w.-])(?:(?=[\w.-]*\d)(?=[\w.-]*[^\W\d_])[^\W_][\w.-]*[^\W_]|[^\W\d_]\w*_\w+)(?![\w-])")
 
 
-COMMON_SHARE, COMMON_FLOOR = 0.1, 5  # an identifier in more candidates than this is not a distinguishing one
+TITLE_CHARS, TITLE_LINES = 200, 2  # of a document's first page: its title, what every chunk of it is about
 
 
 def query_identifiers(query: str) -> list[str]:
     """Identifier-like tokens of a query, in order, without a trailing sentence dot."""
     return list(dict.fromkeys(m.group(0).rstrip(".") for m in IDENTIFIER.finditer(query)))
+
+
+def is_title(hit: "Hit") -> bool:
+    """Whether `hit` is its document's first chunk, the one holding the title (and, in a short note, all of it)."""
+    return hit.page == 1 and hit.start_char == 0
 
 
 def contains_identifier(text: str, identifiers: list[str]) -> bool:
@@ -134,12 +144,25 @@ class Retriever:
         # them in no fixed order, so passages swapped places between two runs of one question (and [3] became [4])
         hits = sorted((hit_from_payload(p.id, p.score, p.payload) for p in found), key=lambda h: (-h.score, h.chunk_id))
         if identifiers:  # exact identifiers first, the rarest weighing most (module docstring), then the fused order
-            held = [[contains_identifier(h.text, [ident]) for ident in identifiers] for h in hits]
+            titles: dict[str, str] = {}
+            held = [[contains_identifier(h.text, [ident])
+                     and (is_title(h) or not contains_identifier(self._title(h, titles), [ident]))
+                     for ident in identifiers] for h in hits]
             df = [sum(row[j] for row in held) for j in range(len(identifiers))]
-            common = max(COMMON_FLOOR, COMMON_SHARE * len(hits))
-            weight = [sum(1 / df[j] for j, has in enumerate(row) if has and df[j] <= common) for row in held]
+            weight = [sum(1 / df[j] for j, has in enumerate(row) if has) for row in held]
             hits = [h for _, h in sorted(zip(weight, hits), key=lambda pair: -pair[0])]  # stable: fused order within
         return distinct(hits)[:k]
+
+    def _title(self, hit: Hit, titles: dict[str, str]) -> str:
+        """The file name and the first TITLE_LINES lines of `hit`'s document (read once per search)."""
+        if hit.doc_id not in titles:
+            try:
+                first = self.read(hit.doc_id, [1])
+            except DocumentNotFound:  # removed since the search: no title to discount
+                first = []
+            lines = [line for line in (first[0].text[:TITLE_CHARS] if first else "").splitlines() if line.strip()]
+            titles[hit.doc_id] = "\n".join([hit.file_name, *lines[:TITLE_LINES]])
+        return titles[hit.doc_id]
 
     def readable(self, hits: list[Hit]) -> list[Hit]:
         """`hits` as a reader should get them: a table cut mid-row given whole rows and its header

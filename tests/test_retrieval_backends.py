@@ -199,24 +199,32 @@ def test_tied_scores_come_back_in_one_order_whatever_order_the_index_gives():
     assert orders == {("id-z", "id-a", "id-b", "id-c")}
 
 
-def test_an_identifier_most_candidates_hold_moves_nothing():
-    # "ASN.1" is the topic of a whole manual: any chunk holding it outranked the one defining
-    # asn1_delete_structure, which holds neither it nor "libtasn1" (dev tasn1-002 was refused for it).
+
+def test_an_identifier_of_the_documents_own_title_moves_nothing():
+    # "ASN.1" is what the whole libtasn1 manual is about (its title page says so): any chunk holding it
+    # outranked the one defining asn1_delete_structure, which holds neither it nor "libtasn1", and
+    # "which function deletes a whole ASN.1 structure" was refused (dev tasn1-002).
     from ingest.index_base import ScoredPayload
+
+    doc = {"kind": "doc", "doc_id": "d", "path": "/m/libtasn1.pdf", "file_name": "libtasn1.pdf", "committed": "v1"}
+    title = {"kind": "page", "doc_id": "d", "path": "/m/libtasn1.pdf", "page": 1, "version": "v1",
+             "text": "Libtasn1\nAbstract Syntax Notation One (ASN.1) library for the GNU system"}
 
     class FixedIndex:
         def query(self, **_: object) -> list:
-            target = ScoredPayload("id-target", 0.05, {"doc_id": "d", "path": "/m.pdf", "page": 12,
-                                                       "text": "asn1 delete structure: deletes the whole structure, sets it to NULL."})
-            topical = [ScoredPayload(f"id-{i:02d}", 0.04 - i / 1000, {"doc_id": "d", "path": "/m.pdf", "page": i,
-                                                                     "text": f"ASN.1 definitions, part {i}."})
+            def chunk(cid: str, score: float, page: int, text: str) -> ScoredPayload:
+                return ScoredPayload(cid, score, {"doc_id": "d", "path": doc["path"], "page": page, "text": text})
+            target = chunk("id-target", 0.05, 12, "asn1 delete structure: deletes the whole structure, sets it to NULL.")
+            topical = [chunk(f"id-{i:02d}", 0.04 - i / 1000, i + 2, f"ASN.1 definitions in libtasn1, part {i}.")
                        for i in range(12)]
-            rare = ScoredPayload("id-rare", 0.01, {"doc_id": "d", "path": "/m.pdf", "page": 30,
-                                                   "text": "Only here: the asn1_perror function prints an error."})
+            rare = chunk("id-rare", 0.01, 30, "Only here: the asn1_perror function prints an error.")
             return [target, *topical, rare]
 
+        def scroll(self, where: dict, **_: object) -> list:
+            return [doc] if where.get("kind") == "doc" else [title] if where.get("page") == [1] else []
+
     retriever = Retriever(FixedIndex(), HashEmbedder(DIM))
-    assert retriever.search("Which function deletes a whole ASN.1 structure?", k=3)[0].chunk_id == "id-target"
-    # a rare identifier still comes first, whatever its fused rank; the common one beside it weighs nothing
-    hits = retriever.search("Since which ASN.1 library version is asn1_perror available?", k=3)
+    assert retriever.search("Which libtasn1 function deletes a whole ASN.1 structure?", k=3)[0].chunk_id == "id-target"
+    # an identifier the title does not hold still comes first, whatever its fused rank
+    hits = retriever.search("Since which libtasn1 version is asn1_perror available?", k=3)
     assert [h.chunk_id for h in hits] == ["id-rare", "id-target", "id-00"]
