@@ -96,6 +96,26 @@ def test_a_counting_question_reads_the_section_it_names():
     assert named_section("the 'New in this release' section") == "New in this release"
 
 
+def test_a_counting_question_reads_the_section_whose_list_names_what_is_counted():
+    # "In how many ways can a test wind up UNRESOLVED?": the best hit was "Running runtest", which has
+    # no such list; "A test is UNRESOLVED when:" and its five items were under a hit ranked lower
+    retriever = FakeRetriever()
+    retriever.hits = [Hit("c0", "d1", "/docs/a.pdf", 10, "Running runtest", "runtest is the test driver. UNRESOLVED"),
+                      Hit("c1", "d1", "/docs/a.pdf", 11, "Installation", "Refer to INSTALL."),
+                      Hit("c2", "d1", "/docs/a.pdf", 9, "Test outcomes",
+                          "A test wind up UNRESOLVED in these ways:\n- it is interrupted\n- it depends on a failed test\n"
+                          "- it was set up incorrectly"),
+                      Hit("c3", "d2", "/docs/b.pdf", 2, "Other ways", "Other ways:\n- one\n- two")]
+    ledger = SourceLedger()
+    found = prefetch(retriever)("In how many ways can a test wind up UNRESOLVED?", ledger)
+    assert found.tool == "read_section" and found.arguments["section"] == "Test outcomes"
+    assert [p.page for p in ledger.passages] == [9]
+    # no section of the best hit's document has such a list: the best headed hit, as before
+    retriever.hits = retriever.hits[:2] + retriever.hits[3:]
+    found = prefetch(retriever)("In how many ways can a test wind up UNRESOLVED?", SourceLedger())
+    assert found.arguments["section"] == "Running runtest"
+
+
 def test_the_section_path_reads_only_inside_the_turns_scope():
     retriever = FakeRetriever()
     question = "How many codes does the Return Codes section list?"

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from assistant.citations import Passage, SourceLedger, content_words, counted_noun, names
+from assistant.counting import section_items
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
@@ -389,11 +390,14 @@ def named_section(question: str) -> str:
     return (match.group(1) or match.group(2)).strip() if match else ""
 
 
-def section_hit(question: str, hits: Sequence[Any], named: str = "") -> Any | None:
+def section_hit(question: str, hits: Sequence[Any], named: str = "",
+                listed: Callable[[Any], bool] | None = None) -> Any | None:
     """The hit whose section a whole-section question is about: one whose heading is the section the
-    question names, else one in the best hit's document whose heading names what is counted
-    ("3. Modifiers" for "how many modifiers"), else the best hit under a heading among the first
-    three, else the best hit."""
+    question names, else the first in the best hit's document whose section holds a list that
+    something names as what is counted (`listed(hit)`: "A test is UNRESOLVED when:" and five items,
+    for "in how many ways can a test wind up UNRESOLVED", while the best hit was "Running runtest"),
+    else one there whose heading names it ("3. Modifiers" for "how many modifiers"), else the best
+    hit under a heading among the first three, else the best hit."""
     if not hits:
         return None
     wanted = content_words(named)
@@ -402,8 +406,12 @@ def section_hit(question: str, hits: Sequence[Any], named: str = "") -> Any | No
         if heading and wanted <= heading:
             return hit
     noun, best = counted_noun(question), hits[0]
-    return next((h for h in hits if noun != "items" and doc_name(h) == doc_name(best)
-                 and names(getattr(h, "heading", "") or "", noun)),
+    same_doc = [h for h in hits if doc_name(h) == doc_name(best)]
+    if listed is not None and noun != "items":
+        found = next((h for h in same_doc if listed(h)), None)
+        if found is not None:
+            return found
+    return next((h for h in same_doc if noun != "items" and names(getattr(h, "heading", "") or "", noun)),
                 next((h for h in hits[:3] if getattr(h, "heading", "")), best))
 
 
@@ -440,7 +448,8 @@ class DocumentPrefetch:
         if COUNTING.search(question) and callable(getattr(retriever, "section", None)):
             named = named_section(question)
             hits = retriever.search(named, 2 * self.k + 2, None) if named else []  # the section by its name first
-            hit = section_hit(question, [*hits, *retriever.search(query, 2 * self.k + 2, None)], named)
+            hit = section_hit(question, [*hits, *retriever.search(query, 2 * self.k + 2, None)], named,
+                              self._names_a_list(retriever, question))
             if hit is not None:
                 pages = retriever.section(hit, self.max_read_chars)
                 passages = [ledger.add(doc_name(p), p.page, p.text, f"{hit.chunk_id}:section:p{p.page}", hit.heading)
@@ -455,3 +464,16 @@ class DocumentPrefetch:
         where = ", ".join(dict.fromkeys(f"{p.doc} p. {p.page}" for p in passages)) or "nothing relevant"
         return Prefetched("search_documents", {"query": query}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where,
                           texts=[p.text for p in passages])
+
+    def _names_a_list(self, retriever: Any, question: str) -> Callable[[Any], bool]:
+        """Whether a hit's section holds a list something names as what `question` counts
+        (assistant/counting.py `section_items`); each section is read once."""
+        noun, seen = counted_noun(question), {}
+
+        def listed(hit: Any) -> bool:
+            key = (hit.doc_id, hit.heading or f"{hit.page}:{hit.start_char}")
+            if key not in seen:
+                text = "\n".join(p.text for p in retriever.section(hit, self.max_read_chars))
+                seen[key] = bool(section_items(text, noun, hit.heading or ""))
+            return seen[key]
+        return listed
