@@ -24,8 +24,9 @@ libtasn1 version is asn1_perror available?" every chunk of the manual holds "lib
 "holds any" partition left the one chunk with asn1_perror fourth behind the title page. A chunk earns
 nothing for an identifier its own document's title (the first two lines) or file name holds ("ASN.1"
 and "libtasn1" in the libtasn1 manual, whose title page reads "Libtasn1 / Abstract Syntax Notation One
-(ASN.1) library"): that is what the whole document is about, not what is asked for. The title's own
-chunk keeps its credit (a short note's first lines are all of it). Before this, any chunk holding
+(ASN.1) library"): that is what the whole document is about, not what is asked for (the title page
+itself earns nothing for it either, or it would come first in every search within the manual). A note
+of at most TITLE_MIN_CHUNKS chunks has no title: its first lines are what it says. Before this, any chunk holding
 "ASN.1" outranked the one that defines asn1_delete_structure, which holds neither, and "which
 function deletes a whole ASN.1 structure" was refused. How often a candidate holds an identifier
 does not tell the two apart: "ASN.1" and "asn1Decoding" are each in 8-9 of 50 candidates there.
@@ -52,16 +53,12 @@ IDENTIFIER = re.compile(r"(?<![\w.-])(?:(?=[\w.-]*\d)(?=[\w.-]*[^\W\d_])[^\W_][\
 
 
 TITLE_CHARS, TITLE_LINES = 200, 2  # of a document's first page: its title, what every chunk of it is about
+TITLE_MIN_CHUNKS = 3  # a document of at most this many chunks is a note: no title is discounted
 
 
 def query_identifiers(query: str) -> list[str]:
     """Identifier-like tokens of a query, in order, without a trailing sentence dot."""
     return list(dict.fromkeys(m.group(0).rstrip(".") for m in IDENTIFIER.finditer(query)))
-
-
-def is_title(hit: "Hit") -> bool:
-    """Whether `hit` is its document's first chunk, the one holding the title (and, in a short note, all of it)."""
-    return hit.page == 1 and hit.start_char == 0
 
 
 def contains_identifier(text: str, identifiers: list[str]) -> bool:
@@ -145,8 +142,7 @@ class Retriever:
         hits = sorted((hit_from_payload(p.id, p.score, p.payload) for p in found), key=lambda h: (-h.score, h.chunk_id))
         if identifiers:  # exact identifiers first, the rarest weighing most (module docstring), then the fused order
             titles: dict[str, str] = {}
-            held = [[contains_identifier(h.text, [ident])
-                     and (is_title(h) or not contains_identifier(self._title(h, titles), [ident]))
+            held = [[contains_identifier(h.text, [ident]) and not contains_identifier(self._title(h, titles), [ident])
                      for ident in identifiers] for h in hits]
             df = [sum(row[j] for row in held) for j in range(len(identifiers))]
             weight = [sum(1 / df[j] for j, has in enumerate(row) if has) for row in held]
@@ -154,14 +150,16 @@ class Retriever:
         return distinct(hits)[:k]
 
     def _title(self, hit: Hit, titles: dict[str, str]) -> str:
-        """The file name and the first TITLE_LINES lines of `hit`'s document (read once per search)."""
+        """The file name and the first TITLE_LINES lines of `hit`'s document (read once per search); none
+        for a note of a few chunks, whose first lines are what it says."""
         if hit.doc_id not in titles:
             try:
-                first = self.read(hit.doc_id, [1])
+                record = find_document(self.index, hit.doc_id)
+                first = self.read(hit.doc_id, [1]) if record.get("num_chunks", 0) > TITLE_MIN_CHUNKS else []
             except DocumentNotFound:  # removed since the search: no title to discount
                 first = []
             lines = [line for line in (first[0].text[:TITLE_CHARS] if first else "").splitlines() if line.strip()]
-            titles[hit.doc_id] = "\n".join([hit.file_name, *lines[:TITLE_LINES]])
+            titles[hit.doc_id] = "\n".join([hit.file_name, *lines[:TITLE_LINES]]) if first else ""
         return titles[hit.doc_id]
 
     def readable(self, hits: list[Hit]) -> list[Hit]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from assistant.citations import SourceLedger
 from assistant.citations import SourceLedger, verify_citations
 from assistant.counting import count_answer, counted_noun, section_items, supported_items
-from tools.retrieval import DocumentPrefetch, RetrieverHandle, named_section, retrieval_query
+from tools.retrieval import DocumentPrefetch, RetrieverHandle, named_documents, named_section, retrieval_query
 
 
 def test_a_markdown_table_counts_its_rows_not_its_header_or_rule():
@@ -257,3 +257,43 @@ def test_an_empty_first_table_row_is_neither_a_rule_nor_an_item():
              "| %d | | day of month: 00 |\n| %f | | fractional seconds |\n| %H | | hour: 00-24 |")
     assert section_items(table, "substitutions") == ["%d | | day of month: 00", "%f | | fractional seconds",
                                                      "%H | | hour: 00-24"]
+
+
+class TwoManuals(FakeRetriever):
+    """libtasn1's chunks outrank libidn2's for any query; search honours a doc_id filter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits = [Hit(f"t{i}", "tasn", "/docs/libtasn1.pdf", i + 1, "Intro", f"libtasn1 is distributed under LGPL 2.1, part {i}")
+                     for i in range(4)] + [Hit("i0", "idn", "/docs/libidn2.pdf", 4, "Intro", "libidn2 is distributed under LGPLv3")]
+        self.filters: list = []
+
+    def search(self, query, k=None, filters=None):
+        self.filters.append(filters)
+        wanted = (filters or {}).get("doc_id")
+        return [h for h in self.hits if wanted is None or h.doc_id in wanted][:k]
+
+    def documents(self):
+        return [{"doc_id": "tasn", "path": "/docs/libtasn1.pdf", "file_name": "libtasn1.pdf"},
+                {"doc_id": "tasn-copy", "path": "/old/libtasn1.pdf", "file_name": "libtasn1.pdf"},
+                {"doc_id": "idn", "path": "/docs/libidn2.pdf", "file_name": "libidn2.pdf"},
+                {"doc_id": "lim", "path": "/docs/sqlite-limits.html", "file_name": "sqlite-limits.html"},
+                {"doc_id": "typ", "path": "/docs/sqlite-datatypes.docx", "file_name": "sqlite-datatypes.docx"}]
+
+
+def test_a_question_naming_two_documents_gets_passages_from_each():
+    # "Under which licences are libtasn1 and libidn2 distributed?": one search filled all four places
+    # with libtasn1's chunks, and the answer named one licence
+    retriever = TwoManuals()
+    ledger = SourceLedger()
+    found = prefetch(retriever)("Under which licences are the libtasn1 library and the libidn2 library distributed?", ledger)
+    assert found.tool == "search_documents"
+    assert [p.doc for p in ledger.passages] == ["libidn2.pdf", "libtasn1.pdf", "libtasn1.pdf", "libtasn1.pdf"]
+    assert {"doc_id": ["idn"]} in retriever.filters and {"doc_id": ["tasn", "tasn-copy"]} in retriever.filters
+    # one document named, or a word several names share ("sqlite"), or a generic one: one search as before
+    for question in ("Which licence does libtasn1 use?", "What does SQLite store?", "What does the manual say?"):
+        retriever.filters.clear()
+        prefetch(retriever)(question, SourceLedger())
+        assert retriever.filters == [None], question
+    assert list(named_documents("How do the SQLite limits page and the datatypes page differ?", retriever.documents())) == \
+        ["sqlite-datatypes.docx", "sqlite-limits.html"]

@@ -206,7 +206,8 @@ def test_an_identifier_of_the_documents_own_title_moves_nothing():
     # "which function deletes a whole ASN.1 structure" was refused (dev tasn1-002).
     from ingest.index_base import ScoredPayload
 
-    doc = {"kind": "doc", "doc_id": "d", "path": "/m/libtasn1.pdf", "file_name": "libtasn1.pdf", "committed": "v1"}
+    doc = {"kind": "doc", "doc_id": "d", "path": "/m/libtasn1.pdf", "file_name": "libtasn1.pdf", "committed": "v1",
+           "num_chunks": 14}
     title = {"kind": "page", "doc_id": "d", "path": "/m/libtasn1.pdf", "page": 1, "version": "v1",
              "text": "Libtasn1\nAbstract Syntax Notation One (ASN.1) library for the GNU system"}
 

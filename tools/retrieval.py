@@ -22,6 +22,7 @@ and nothing is prefetched. The agent loop hands the scope to the tools in `ToolC
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import threading
@@ -380,6 +381,28 @@ def is_follow_up(question: str, history: Sequence[str] = ()) -> bool:
     return bool(history) and bool(FOLLOW_UP.search(question) or len(content_words(question) - ASKING_WORDS) <= 1)
 
 
+GENERIC_NAME_WORDS = frozenset({"manual", "readme", "spec", "info", "guide", "docs", "document", "notes", "html", "final",
+                                "draft", "copy", "page", "file", "index", "book"})
+
+
+def named_documents(question: str, records: Sequence[dict]) -> dict[str, list[str]]:
+    """The documents a question names, by file name -> their doc ids (one file may be indexed from two
+    paths): a file name itself ("libtasn1.pdf"), or a word of it that no other file's name holds and
+    that is no generic word ("libidn2", "zstd"; not "sqlite", which three names share, nor "manual")."""
+    words = {w for w in re.findall(r"[a-z0-9]+", question.lower().replace("\u2019", "'").replace("'s", ""))}
+    by_name: dict[str, list[str]] = {}
+    for record in records:
+        by_name.setdefault(doc_name(record), []).append(doc_id_of(record))
+    owners: dict[str, set[str]] = {}
+    for name in by_name:
+        for word in re.split(r"[^a-z0-9]+", name.rsplit(".", 1)[0].lower()):
+            if word not in GENERIC_NAME_WORDS and (len(word) == 4 if word.isdigit() else len(word) >= 4):  # a year, or a name
+                owners.setdefault(word, set()).add(name)
+    named = {name for word, names_ in owners.items() if len(names_) == 1 and word in words for name in names_}
+    named |= {name for name in by_name if name.lower() in question.lower()}
+    return {name: by_name[name] for name in sorted(named)}
+
+
 NAMED_SECTION = re.compile(r"[\'\"\u2018\u201c]([^\'\"\u2019\u201d]{3,80})[\'\"\u2019\u201d]|"
                            r"\b((?:[A-Z][\w-]*\s+){0,5}[A-Z][\w-]*)\s+(?:section|chapter)\b")
 
@@ -425,7 +448,10 @@ class DocumentPrefetch:
         agent loop counts them by listing (see assistant/counting.py);
       * any other question is searched (with the previous question when it is a follow-up), and hits
         that share no content word with it are left out unless it names documents ("file", "pdf",
-        ...), so "compute the 20th Fibonacci number" does not drag a manual into the prompt."""
+        ...), so "compute the 20th Fibonacci number" does not drag a manual into the prompt. A question
+        that names two documents or more (`named_documents`: "the libtasn1 library and the libidn2
+        library") is searched in each of them, and their hits are taken in turn: one search over the
+        library had filled all four places with one manual's chunks."""
 
     def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000) -> None:
         self.handle, self.k, self.max_read_chars = handle, k, max_read_chars
@@ -457,7 +483,13 @@ class DocumentPrefetch:
                 where = f"{doc_name(hit)} section {hit.heading or '(untitled)'}"
                 return Prefetched("read_section", {"document": doc_name(hit), "section": hit.heading},
                                   [p.render() for p in passages], where, count=True, texts=[p.text for p in passages])
-        hits = readable(retriever, retriever.search(query, self.k, None))
+        each = named_documents(question, retriever.documents())
+        if len(each) >= 2:  # "the libtasn1 library and the libidn2 library": passages from each, in turn
+            per = [retriever.search(query, self.k, {"doc_id": ids}) for ids in each.values()]
+            found = [hit for row in itertools.zip_longest(*per) for hit in row if hit is not None][: self.k]
+        else:
+            found = retriever.search(query, self.k, None)
+        hits = readable(retriever, found)
         asks_documents = DOCUMENT_WORDS.search(question) is not None
         wanted = content_words(query)
         passages = [add_hit(ledger, h) for h in hits if asks_documents or wanted & content_words(h.text)]
