@@ -280,9 +280,10 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
         closers.append(registry.close)
         prefetch = None
         if handle is not None:
+            from assistant.counting import section_items
             from tools.retrieval import DocumentPrefetch
 
-            prefetch = DocumentPrefetch(handle, k=min(config.retrieval.top_k, 4))
+            prefetch = DocumentPrefetch(handle, k=min(config.retrieval.top_k, 4), lists=section_items)
         media = media or Modalities(config)
         # the describer loads on the first picture ingested, not before
         documents = Documents(handle, describe_image=lambda path: media.describer.document_text(path),

@@ -333,3 +333,18 @@ def names(text: str, noun: str) -> bool:
     have = {stem(w) for w in re.findall(r"[A-Za-z][\w-]*", text)}
     wanted = [stem(w) for w in re.findall(r"[A-Za-z][\w-]*", noun) if w.lower() not in NOT_NAMING]
     return bool(wanted) and all(any(h.startswith(w) for h in have) for w in wanted)
+
+
+# -- whether a text mentions a name (assistant/grounding.py, tools/retrieval.py) ------------------------
+
+def _term_fold(text: str) -> str:
+    text = re.sub(r"(\w)-\s*\n\s*(\w)", r"\1\2", text.replace("\u2019", "'"))  # line-break hyphenation
+    return " ".join(re.sub(r"[_-]+", " ", text.lower()).split())  # "AUTOMAKE_OPTIONS" is "AUTOMAKE OPTIONS" in a PDF
+
+
+def mentions(text: str, term: str) -> bool:
+    """Whether `text` mentions `term`, case, "_", "-" and spacing aside, as a whole word or its plural."""
+    folded = _term_fold(term)
+    if folded.endswith("s") and not folded.endswith("ss") and len(folded) > 3:  # "RFCs" is mentioned by "RFC 5890"
+        folded = folded[:-1]
+    return bool(folded) and re.search(rf"(?<![\w%]){re.escape(folded)}(?:e?s)?(?!\w)", _term_fold(text)) is not None

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from assistant.citations import NUMBER_WORDS, Passage
+from assistant.citations import NUMBER_WORDS, Passage, mentions  # noqa: F401 - mentions: API here too
 
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
                   r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|(?:[ \t]*\[\d{1,3}\])?[ \t.]*$)", re.I | re.M)
@@ -147,6 +147,39 @@ def facts_held(passages: Iterable[Passage]) -> Callable[[str], dict[int, int]]:
         return {marker: sum(e.holds(f) for f in found) for marker, e in folded} if found else {}
 
     return held
+
+
+# -- what the question names --------------------------------------------------------------------
+# A question may name a thing the documents never mention ("Which minimum OpenSSL version does libtasn1
+# need?"). Grounding cannot see the answer is made up: the question is evidence, so "OpenSSL" is held,
+# and the version the model took ("4.19.0", the manual's own) is in a passage. The answer check read
+# the title page and said yes. So a thing the question names is looked for in the turn's texts and, when
+# they lack it, in the whole library (DocumentPrefetch.mentions); an answer that cites passages and
+# speaks of a thing no document mentions says so instead (the orchestrator).
+QUESTION_TERM = re.compile(
+    r"(?<![\w.%-])(?:(?=[\w.-]*\d)(?=[\w.-]*[^\W\d_])[^\W_][\w.-]*[^\W_]"  # a letter and a digit: IDNA2008, v2.3.0
+    r"|[^\W\d_]\w*_\w+"  # snake_case
+    r"|\d+(?:\.\d+)+"  # a dotted version: 2.3.0
+    r"|%[A-Za-z])(?![\w-])"  # a format code: %V
+    r"|(?<=\w )(?<![.!?:] )([A-Z][\w+]*[A-Za-z0-9+])(?:'s)?(?!\w)")  # a capitalised word inside a sentence: OpenSSL
+# ("Makefile-style" names Makefile)
+
+
+def question_terms(question: str) -> list[str]:
+    """The things `question` names that a text either mentions or not: identifiers, versions, format
+    codes and capitalised words inside a sentence (not its first word: "Which", "I")."""
+    out = []
+    for match in QUESTION_TERM.finditer(question.replace("\u2019", "'")):
+        term = (match.group(1) or match.group(0)).rstrip(".")
+        if len(term) >= 2:
+            out.append(term)
+    return list(dict.fromkeys(out))
+
+
+def not_mentioned(terms: Sequence[str], passages: Sequence[Passage]) -> str:
+    """The refusal for a question about things no document mentions."""
+    named = " or ".join(terms)
+    return refusal(passages).replace(REFUSAL, f"The documents I searched do not mention {named}.", 1)
 
 
 def refusal(passages: Sequence[Passage]) -> str:

@@ -16,7 +16,9 @@ Design note — the turn:
   4. the agent loop (assistant/agent_loop.py) runs the steps; its streamed text is flushed to the
      store every FLUSH_INTERVAL_S;
   5. finalise: an answer over documents keeps only sentences whose facts the turn's texts hold
-     (assistant/grounding.py; an answer with none left becomes a refusal), then its `[n]` markers are
+     (assistant/grounding.py; an answer with none left becomes a refusal), and a citing answer that speaks
+     of something the question names but no document mentions ("OpenSSL" in a manual that never says it)
+     becomes the refusal that says so; then its `[n]` markers are
      verified against what was retrieved in this turn; a document answer the large model wrote is read
      against the passages it cites once more (assistant/answer_check.py) and withdrawn for a refusal
      when they do not answer the question (a Notice says so); then Sources, the message is marked `complete`
@@ -52,7 +54,7 @@ from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
 from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, ToolCallFinished,
                               ToolCallStarted, Transcribed, TurnEvent, TurnStarted, Usage)
-from assistant.grounding import Evidence, facts_held, ground, refusal
+from assistant.grounding import Evidence, facts_held, ground, mentions, not_mentioned, question_terms, refusal
 from assistant.routing import LARGE, Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
@@ -65,6 +67,7 @@ IngestFiles = Callable[[str, Sequence[Attachment]], Iterator[TurnEvent]]  # (con
 
 
 log = logging.getLogger(__name__)
+UNMENTIONED = "The answer was withdrawn: it spoke of {terms}, which no document mentions."
 
 
 class Orchestrator:
@@ -339,6 +342,13 @@ class Orchestrator:
             check = verify_citations(final, turn.ledger, facts=facts_held)
             final = check.text
             meta.update(check.to_meta())
+            absent = self._not_in_documents(user.content, final, turn) if check.sources else []
+            if absent:  # cites passages, yet speaks of what no document mentions
+                meta.update({"not_in_documents": absent, "grounding_refusal": True, "unmentioned_answer": final})
+                final = not_mentioned(absent, turn.ledger.passages)
+                check = replace(check, text=final, sources=())
+                meta.update(check.to_meta())
+                yield Notice(UNMENTIONED.format(terms=" or ".join(absent)), replaces_answer=final)
             if self._withdrawn(turn, user, chat, [s.marker for s in check.sources], meta, cancel):
                 meta["withdrawn_answer"] = final  # kept for the record, not shown
                 final = refusal(turn.ledger.passages)
@@ -353,6 +363,18 @@ class Orchestrator:
         yield Usage(turn.prompt_tokens, turn.completion_tokens, turn.context_window, turn.dropped, turn.cached_tokens,
                     turn.num_calls, turn.breakdown)
         yield Done(cid, answer.id, final, turn.finish)
+
+    def _not_in_documents(self, question: Any, answer: str, turn: TurnState) -> list[str]:
+        """The things the question names that a citing answer speaks of, but that neither the turn's
+        texts nor any document in its scope mention (assistant/grounding.py, "what the question names"):
+        such an answer was made up from a nearby fact. The library is searched only for the few terms
+        the cheap tests leave."""
+        library = getattr(self.prefetch, "mentions", None)
+        if not (isinstance(question, str) and callable(library)):
+            return []
+        seen = "\n".join([*turn.evidence, *(f"{p.doc} {p.heading or ''}" for p in turn.ledger.passages)])
+        return [term for term in question_terms(question)
+                if mentions(answer, term) and not mentions(seen, term) and not library(term, turn.scope)]
 
     def _withdrawn(self, turn: TurnState, user: StoredMessage, chat: list[Message], markers: list[int],
                    meta: dict[str, Any], cancel: threading.Event | None) -> bool:

@@ -83,7 +83,7 @@ class FakeRetriever:
 
 
 def prefetch(retriever: FakeRetriever) -> DocumentPrefetch:
-    return DocumentPrefetch(RetrieverHandle(lambda: retriever), k=4)
+    return DocumentPrefetch(RetrieverHandle(lambda: retriever), k=4, lists=section_items)
 
 
 def test_a_counting_question_reads_the_section_it_names():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from assistant.citations import Passage
 from assistant.events import Done, Sources
-from assistant.grounding import REFUSAL, Evidence, facts, ground, strip_echoes
+from assistant.grounding import REFUSAL, Evidence, facts, ground, mentions, question_terms, strip_echoes
 from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
 
 PASSAGES = [Passage(1, "libtasn1.pdf", 22, "Use the flag ASN1_DECODE_FLAG_ALLOW_PADDING to ignore padding. Since "
@@ -134,3 +134,44 @@ def test_markers_before_the_first_word_are_removed():
     assert strip_echoes("[1] The version is 0.21 [1].") == "The version is 0.21 [1]."
     assert strip_echoes("[1]. [2] It is 7 years [2].") == "It is 7 years [2]."
     assert strip_echoes("It is 7 years [2].") == "It is 7 years [2]."
+
+
+def test_the_things_a_question_names_and_whether_a_text_mentions_them():
+    assert question_terms("Which minimum OpenSSL version does libtasn1 need at build time?") == ["OpenSSL", "libtasn1"]
+    assert question_terms("Does SQLite's strftime() support the %V ISO week number?") == ["SQLite", "%V", "ISO"]
+    assert question_terms("On which date was libidn2 2.3.0 released? What changed?") == ["libidn2", "2.3.0"]
+    assert question_terms("Which variable points Ninja at a Makefile-style file?") == ["Ninja", "Makefile"]
+    assert question_terms("I need it. What must I define?") == []  # a sentence's first word is no name
+    assert mentions("add dejagnu to the AUTOMAKE OPTIONS\nvariable", "AUTOMAKE_OPTIONS")  # a PDF drops the "_"
+    assert mentions("see RFC 5890", "RFCs") and mentions("all classes", "class") and mentions("DOCKER", "docker")
+    assert not mentions("a glass", "class") and not mentions("%W is the week", "%V") and not mentions("openssl3", "OpenSSL")
+
+
+def test_a_cited_answer_about_what_no_document_mentions_is_withdrawn(tmp_path):
+    # "Which minimum OpenSSL version does libtasn1 need?" was answered with the manual's own version: every
+    # fact of it is in a passage (the question holds "OpenSSL"), and the answer check said yes
+    from assistant.events import Notice
+
+    assistant, _ = make_assistant(tmp_path, "The Zephyr X2 needs Bluetooth in rooms up to 40 square metres [1].",
+                                  "The Zephyr X2 uses a HEPA filter [2].", retriever=FakeRetriever(MANUAL))
+    events = list(assistant.turn(None, "Which Bluetooth version does the Zephyr X2 need?"))
+    done = events[-1]
+    assert isinstance(done, Done) and done.text.startswith("The documents I searched do not mention Bluetooth.")
+    assert "zephyr_manual.pdf p. 1" in done.text
+    notice = next(e for e in events if isinstance(e, Notice) and e.replaces_answer)
+    assert "Bluetooth" in notice.message and notice.replaces_answer == done.text
+    assert not any(isinstance(e, Sources) and e.sources for e in events)
+    stored = assistant.conversations.history(done.conversation_id)[-1]
+    assert stored.meta["not_in_documents"] == ["Bluetooth"] and "40 square metres" in stored.meta["unmentioned_answer"]
+    # a name the documents do mention stands
+    kept = list(assistant.turn(None, "Which filter does the Zephyr X2 use, a HEPA one?"))[-1]
+    assert kept.text == "The Zephyr X2 uses a HEPA filter [2]."
+
+
+def test_the_library_is_searched_for_a_name_the_passages_lack():
+    from tools.retrieval import DocumentPrefetch, RetrieverHandle
+
+    prefetch = DocumentPrefetch(RetrieverHandle(lambda: FakeRetriever(MANUAL)))
+    assert prefetch.mentions("HEPA") and prefetch.mentions("pre-filter") and prefetch.mentions("zephyr_manual")
+    assert not prefetch.mentions("Bluetooth")
+    assert prefetch.mentions("Bluetooth", frozenset()) is True  # no documents in scope: nothing to be sure of

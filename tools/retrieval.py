@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from assistant.citations import Passage, SourceLedger, content_words, counted_noun, names
-from assistant.counting import section_items
+from assistant.citations import Passage, SourceLedger, content_words, counted_noun, mentions, names
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
@@ -453,8 +452,13 @@ class DocumentPrefetch:
         library") is searched in each of them, and their hits are taken in turn: one search over the
         library had filled all four places with one manual's chunks."""
 
-    def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000) -> None:
+    def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000,
+                 lists: Callable[[str, str, str], Sequence[str]] | None = None) -> None:
         self.handle, self.k, self.max_read_chars = handle, k, max_read_chars
+        # (section text, counted noun, heading) -> the items of the list something there names as what is
+        # counted (assistant/counting.py `section_items`, passed in by the composition root); None: the
+        # section of a counting question is chosen by headings alone
+        self.lists = lists
 
     def __call__(self, question: str, ledger: SourceLedger, history: Sequence[str] = (), *,
                  scope: Scope = None) -> Prefetched | None:
@@ -475,7 +479,7 @@ class DocumentPrefetch:
             named = named_section(question)
             hits = retriever.search(named, 2 * self.k + 2, None) if named else []  # the section by its name first
             hit = section_hit(question, [*hits, *retriever.search(query, 2 * self.k + 2, None)], named,
-                              self._names_a_list(retriever, question))
+                              self._names_a_list(retriever, question) if self.lists is not None else None)
             if hit is not None:
                 pages = retriever.section(hit, self.max_read_chars)
                 passages = [ledger.add(doc_name(p), p.page, p.text, f"{hit.chunk_id}:section:p{p.page}", hit.heading)
@@ -497,6 +501,21 @@ class DocumentPrefetch:
         return Prefetched("search_documents", {"query": query}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where,
                           texts=[p.text for p in passages])
 
+    def mentions(self, term: str, scope: Scope = None, *, k: int = 20) -> bool:
+        """Whether any document of the turn's scope mentions `term` (assistant/grounding.py `mentions`):
+        the library searched for it, its best `k` hits read. A term in any chunk is found there: BM25
+        ranks its chunks first. No documents, or a search that fails, counts as mentioned."""
+        handle = self.handle.scoped(scope)
+        try:
+            if not handle.has_documents():
+                return True
+            hits = handle.get().search(re.sub(r"[_-]+", " ", term), k, None)
+        except Exception:  # noqa: BLE001 - this may only refuse when it is sure
+            log.warning("could not search the library for %r", term, exc_info=True)
+            return True
+        return any(mentions(f"{doc_name(h)}\n{getattr(h, 'heading', '') or ''}\n{getattr(h, 'text', '')}", term)
+                   for h in hits)
+
     def _names_a_list(self, retriever: Any, question: str) -> Callable[[Any], bool]:
         """Whether a hit's section holds a list something names as what `question` counts
         (assistant/counting.py `section_items`); each section is read once."""
@@ -506,6 +525,6 @@ class DocumentPrefetch:
             key = (hit.doc_id, hit.heading or f"{hit.page}:{hit.start_char}")
             if key not in seen:
                 text = "\n".join(p.text for p in retriever.section(hit, self.max_read_chars))
-                seen[key] = bool(section_items(text, noun, hit.heading or ""))
+                seen[key] = bool(self.lists(text, noun, hit.heading or ""))  # type: ignore[misc]
             return seen[key]
         return listed
