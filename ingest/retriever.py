@@ -25,13 +25,13 @@ libtasn1 version is asn1_perror available?" every chunk of the manual holds "lib
 nothing for an identifier its own document's title (the first two lines) or file name holds ("ASN.1"
 and "libtasn1" in the libtasn1 manual, whose title page reads "Libtasn1 / Abstract Syntax Notation One
 (ASN.1) library"): that is what the whole document is about, not what is asked for (the title page
-itself earns nothing for it either, or it would come first in every search within the manual). A note
-of at most TITLE_MIN_CHUNKS chunks has no title: its first lines are what it says. Before this, any chunk holding
-"ASN.1" outranked the one that defines asn1_delete_structure, which holds neither, and "which
-function deletes a whole ASN.1 structure" was refused. How often a candidate holds an identifier
-does not tell the two apart: "ASN.1" and "asn1Decoding" are each in 8-9 of 50 candidates there.
-On the eval library's dev questions, the four passages held every expected string for 64 of 74
-answerable non-count questions before and 66 after; on the held-out test part, 72 -> 76 of 80.
+itself earns nothing for it either, or it would come first in every search within the manual). A
+note of at most TITLE_MIN_CHUNKS chunks has no title: its first lines are what it says. Before this,
+any chunk holding "ASN.1" outranked the one that defines asn1_delete_structure, which holds neither,
+and "which function deletes a whole ASN.1 structure" was refused. How often a candidate holds an
+identifier does not tell the two apart: "ASN.1" and "asn1Decoding" are each in 8-9 of 50 candidates
+there. On the eval library's dev questions, the four passages held every expected string for 64 of
+74 answerable non-count questions before and 66 after; on the held-out test part, 72 -> 75 of 80.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ingest.embed import Bm25Encoder, Embedder
-from ingest.errors import DocumentNotFound
 from ingest.index_base import VectorIndex
 from ingest.pipeline import find_document, list_documents
 
@@ -152,13 +151,13 @@ class Retriever:
     def _title(self, hit: Hit, titles: dict[str, str]) -> str:
         """The file name and the first TITLE_LINES lines of `hit`'s document (read once per search); none
         for a note of a few chunks, whose first lines are what it says."""
-        if hit.doc_id not in titles:
-            try:
-                record = find_document(self.index, hit.doc_id)
-                first = self.read(hit.doc_id, [1]) if record.get("num_chunks", 0) > TITLE_MIN_CHUNKS else []
-            except DocumentNotFound:  # removed since the search: no title to discount
-                first = []
-            lines = [line for line in (first[0].text[:TITLE_CHARS] if first else "").splitlines() if line.strip()]
+        if hit.doc_id not in titles:  # by doc id: no scan of the library's records (find_document) per search
+            record = next(iter(self.index.scroll({"kind": "doc", "doc_id": hit.doc_id})), None) or {}
+            first = []
+            if record.get("committed") and record.get("num_chunks", 0) > TITLE_MIN_CHUNKS:
+                first = [p["text"] for p in self.index.scroll({"kind": "page", "visible": 1, "doc_id": hit.doc_id,
+                                                               "version": record["committed"], "page": [1]})]
+            lines = [line for line in (first[0][:TITLE_CHARS] if first else "").splitlines() if line.strip()]
             titles[hit.doc_id] = "\n".join([hit.file_name, *lines[:TITLE_LINES]]) if first else ""
         return titles[hit.doc_id]
 
