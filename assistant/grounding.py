@@ -176,6 +176,20 @@ def question_terms(question: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+# A question that asks for a version ("What is the minimum Tcl version DejaGnu needs?") is
+# not answered by a text without a number: the 1.5B model, with nothing in the passages, described DejaGnu
+# and Tcl at length, citing them, and no rule above had a fact to object to.
+ASKS_NUMBER = re.compile(r"\b(?:which|what)\s+(?:(?:is|was)\s+)?(?:the\s+)?(?:[\w.-]+\s+){0,2}version\b(?!\s+numbers?)"
+                         r"|\bsince\s+(?:which|what)\s+(?:[\w.-]+\s+)?version\b", re.I)
+# (not "how much": "at least ASN1_MAX_TL_SIZE bytes" answers "how much space must the buffer have")
+A_NUMBER = re.compile(r"(?<![A-Za-z_])\d|\bv\d|\b(?:" + "|".join(NUMBER_WORDS) + r"|none)\b", re.I)  # not "X2", "libidn2"
+
+
+def states_no_number(question: str, answer: str) -> bool:
+    """Whether `question` asks for a version and `answer` (markers aside) holds no number."""
+    return bool(ASKS_NUMBER.search(question)) and not A_NUMBER.search(MARKERS.sub(" ", answer))
+
+
 def not_mentioned(terms: Sequence[str], passages: Sequence[Passage]) -> str:
     """The refusal for a question about things no document mentions."""
     named = " or ".join(terms)

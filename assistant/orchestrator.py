@@ -18,7 +18,8 @@ Design note — the turn:
   5. finalise: an answer over documents keeps only sentences whose facts the turn's texts hold
      (assistant/grounding.py; an answer with none left becomes a refusal), and a citing answer that speaks
      of something the question names but no document mentions ("OpenSSL" in a manual that never says it)
-     becomes the refusal that says so; then its `[n]` markers are
+     becomes the refusal that says so, as does a citing answer without a number to a question that asks
+     for a version; then its `[n]` markers are
      verified against what was retrieved in this turn; a document answer the large model wrote is read
      against the passages it cites once more (assistant/answer_check.py) and withdrawn for a refusal
      when they do not answer the question (a Notice says so); then Sources, the message is marked `complete`
@@ -54,7 +55,8 @@ from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.errors import AssistantError, StoreError
 from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, ToolCallFinished,
                               ToolCallStarted, Transcribed, TurnEvent, TurnStarted, Usage)
-from assistant.grounding import Evidence, facts_held, ground, mentions, not_mentioned, question_terms, refusal
+from assistant.grounding import (Evidence, facts_held, ground, mentions, not_mentioned, question_terms, refusal,
+                                 states_no_number)
 from assistant.routing import LARGE, Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
@@ -68,6 +70,7 @@ IngestFiles = Callable[[str, Sequence[Attachment]], Iterator[TurnEvent]]  # (con
 
 log = logging.getLogger(__name__)
 UNMENTIONED = "The answer was withdrawn: it spoke of {terms}, which no document mentions."
+NO_NUMBER = "The answer was withdrawn: the question asks for a version, and it gave none."
 
 
 class Orchestrator:
@@ -343,12 +346,19 @@ class Orchestrator:
             final = check.text
             meta.update(check.to_meta())
             absent = self._not_in_documents(user.content, final, turn) if check.sources else []
+            why, instead = "", ""
             if absent:  # cites passages, yet speaks of what no document mentions
-                meta.update({"not_in_documents": absent, "grounding_refusal": True, "unmentioned_answer": final})
-                final = not_mentioned(absent, turn.ledger.passages)
+                meta["not_in_documents"] = absent
+                why, instead = UNMENTIONED.format(terms=" or ".join(absent)), not_mentioned(absent, turn.ledger.passages)
+            elif check.sources and isinstance(user.content, str) and states_no_number(user.content, final):
+                meta["states_no_number"] = True
+                why, instead = NO_NUMBER, refusal(turn.ledger.passages)
+            if why:
+                meta.update({"grounding_refusal": True, "replaced_answer": final})
+                final = instead
                 check = replace(check, text=final, sources=())
                 meta.update(check.to_meta())
-                yield Notice(UNMENTIONED.format(terms=" or ".join(absent)), replaces_answer=final)
+                yield Notice(why, replaces_answer=final)
             if self._withdrawn(turn, user, chat, [s.marker for s in check.sources], meta, cancel):
                 meta["withdrawn_answer"] = final  # kept for the record, not shown
                 final = refusal(turn.ledger.passages)

@@ -162,7 +162,7 @@ def test_a_cited_answer_about_what_no_document_mentions_is_withdrawn(tmp_path):
     assert "Bluetooth" in notice.message and notice.replaces_answer == done.text
     assert not any(isinstance(e, Sources) and e.sources for e in events)
     stored = assistant.conversations.history(done.conversation_id)[-1]
-    assert stored.meta["not_in_documents"] == ["Bluetooth"] and "40 square metres" in stored.meta["unmentioned_answer"]
+    assert stored.meta["not_in_documents"] == ["Bluetooth"] and "40 square metres" in stored.meta["replaced_answer"]
     # a name the documents do mention stands
     kept = list(assistant.turn(None, "Which filter does the Zephyr X2 use, a HEPA one?"))[-1]
     assert kept.text == "The Zephyr X2 uses a HEPA filter [2]."
@@ -175,3 +175,22 @@ def test_the_library_is_searched_for_a_name_the_passages_lack():
     assert prefetch.mentions("HEPA") and prefetch.mentions("pre-filter") and prefetch.mentions("zephyr_manual")
     assert not prefetch.mentions("Bluetooth")
     assert prefetch.mentions("Bluetooth", frozenset()) is True  # no documents in scope: nothing to be sure of
+
+
+def test_a_cited_answer_without_a_number_to_a_version_question_is_withdrawn(tmp_path):
+    # "What is the minimum Tcl version DejaGnu needs?" got a cited description of DejaGnu and Tcl
+    from assistant.grounding import states_no_number
+
+    assert states_no_number("What is the minimum Tcl version DejaGnu needs?", "DejaGnu is written in Tcl [3].")
+    assert not states_no_number("What is the minimum Tcl version DejaGnu needs?", "Tcl 8.5 or later [3].")
+    assert not states_no_number("Which runtest option prints the version numbers?", "The -V option [1].")
+    assert not states_no_number("Since which version is it there?", "Since v2 [1].")
+    assert not states_no_number("How much space must the buffer have?", "ASN1_MAX_TL_SIZE bytes [1].")
+    assistant, _ = make_assistant(tmp_path, "The Zephyr X2 is a compact air purifier [1].",
+                                  "The warranty period is 7 years [1].", retriever=FakeRetriever(MANUAL))
+    done = list(assistant.turn(None, "Which firmware version does the Zephyr X2 purifier run?"))[-1]
+    assert done.text.startswith(REFUSAL)
+    stored = assistant.conversations.history(done.conversation_id)[-1]
+    assert stored.meta["states_no_number"] and stored.meta["replaced_answer"].startswith("The Zephyr X2 is")
+    kept = list(assistant.turn(None, "Since which version is the Zephyr X2 warranty 7 years?"))[-1]
+    assert kept.text == "The warranty period is 7 years [1]."
