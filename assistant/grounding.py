@@ -161,14 +161,14 @@ QUESTION_TERM = re.compile(
     r"|[^\W\d_]\w*_\w+"  # snake_case
     r"|\d+(?:\.\d+)+"  # a dotted version: 2.3.0
     r"|%[A-Za-z])(?![\w-])"  # a format code: %V
-    r"|(?<=\w )(?<![.!?:] )([A-Z][a-z]*[A-Z][\w+]*)(?:'s)?(?!\w)")  # a capital inside a word: OpenSSL, ISO, TeX
+    r"|(?<![\w-])([A-Z][a-z]*[A-Z][\w+]*)(?:'s)?(?!\w)")  # a capital inside a word: OpenSSL, ISO, TeX
 # Not a word that is only capitalised ("Docker", "Markdown"): in German every noun is, and an answer in
 # German over English manuals would name things in words that no document holds ("Bibliothek").
 
 
 def question_terms(question: str) -> list[str]:
     """The things `question` names that a text either mentions or not: identifiers, versions, format
-    codes and words with a capital inside (not a sentence's first word: "IDNs are...")."""
+    codes and words with a capital inside, wherever they stand ("(OpenSSL)", a sentence's first word)."""
     out = []
     for match in QUESTION_TERM.finditer(question.replace("\u2019", "'")):
         term = (match.group(1) or match.group(0)).rstrip(".")

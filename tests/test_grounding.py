@@ -142,7 +142,8 @@ def test_the_things_a_question_names_and_whether_a_text_mentions_them():
     assert question_terms("On which date was libidn2 2.3.0 released? What changed?") == ["libidn2", "2.3.0"]
     assert question_terms("Which variable points Ninja at a Makefile-style file?") == []  # capitalised only: no name
     assert question_terms("Welche Version von OpenSSL braucht die Bibliothek?") == ["OpenSSL"]  # German capitalises nouns
-    assert question_terms("I need it. What must I define?") == []  # a sentence's first word is no name
+    assert question_terms("I need it. What must I define?") == []  # a capitalised word is no name
+    assert question_terms("OpenSSL or GnuTLS (TLS): which one?") == ["OpenSSL", "GnuTLS", "TLS"]
     assert mentions("add dejagnu to the AUTOMAKE OPTIONS\nvariable", "AUTOMAKE_OPTIONS")  # a PDF drops the "_"
     assert mentions("see RFC 5890", "RFCs") and mentions("all classes", "class") and mentions("DOCKER", "docker")
     assert not mentions("a glass", "class") and not mentions("%W is the week", "%V") and not mentions("openssl3", "OpenSSL")
