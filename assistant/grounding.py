@@ -183,7 +183,8 @@ def question_terms(question: str) -> list[str]:
 ASKS_NUMBER = re.compile(r"\b(?:which|what)\s+(?:(?:is|was)\s+)?(?:the\s+)?(?:[\w.-]+\s+){0,2}version\b(?!\s+numbers?)"
                          r"|\bsince\s+(?:which|what)\s+(?:[\w.-]+\s+)?version\b", re.I)
 # (not "how much": "at least ASN1_MAX_TL_SIZE bytes" answers "how much space must the buffer have")
-A_NUMBER = re.compile(r"(?<![A-Za-z_])\d|\bv\d|\b(?:" + "|".join(NUMBER_WORDS) + r"|none)\b", re.I)  # not "X2", "libidn2"
+# a number: not the digit of a name ("X2", "libidn2")
+A_NUMBER = re.compile(r"(?<![A-Za-z_])\d|\bv\d|\b(?:" + "|".join(NUMBER_WORDS) + r"|none)\b", re.I)
 
 
 def states_no_number(question: str, answer: str) -> bool:

@@ -103,8 +103,8 @@ def test_a_counting_question_reads_the_section_whose_list_names_what_is_counted(
     retriever.hits = [Hit("c0", "d1", "/docs/a.pdf", 10, "Running runtest", "runtest is the test driver. UNRESOLVED"),
                       Hit("c1", "d1", "/docs/a.pdf", 11, "Installation", "Refer to INSTALL."),
                       Hit("c2", "d1", "/docs/a.pdf", 9, "Test outcomes",
-                          "A test wind up UNRESOLVED in these ways:\n- it is interrupted\n- it depends on a failed test\n"
-                          "- it was set up incorrectly"),
+                          "A test wind up UNRESOLVED in these ways:\n- it is interrupted\n"
+                          "- it depends on a failed test\n- it was set up incorrectly"),
                       Hit("c3", "d2", "/docs/b.pdf", 2, "Other ways", "Other ways:\n- one\n- two")]
     ledger = SourceLedger()
     found = prefetch(retriever)("In how many ways can a test wind up UNRESOLVED?", ledger)
@@ -264,8 +264,9 @@ class TwoManuals(FakeRetriever):
 
     def __init__(self) -> None:
         super().__init__()
-        self.hits = [Hit(f"t{i}", "tasn", "/docs/libtasn1.pdf", i + 1, "Intro", f"libtasn1 is distributed under LGPL 2.1, part {i}")
-                     for i in range(4)] + [Hit("i0", "idn", "/docs/libidn2.pdf", 4, "Intro", "libidn2 is distributed under LGPLv3")]
+        tasn = [Hit(f"t{i}", "tasn", "/docs/libtasn1.pdf", i + 1, "Intro", f"libtasn1 is under LGPL 2.1, part {i}")
+                for i in range(4)]
+        self.hits = [*tasn, Hit("i0", "idn", "/docs/libidn2.pdf", 4, "Intro", "libidn2 is distributed under LGPLv3")]
         self.filters: list = []
 
     def search(self, query, k=None, filters=None):
@@ -286,7 +287,8 @@ def test_a_question_naming_two_documents_gets_passages_from_each():
     # with libtasn1's chunks, and the answer named one licence
     retriever = TwoManuals()
     ledger = SourceLedger()
-    found = prefetch(retriever)("Under which licences are the libtasn1 library and the libidn2 library distributed?", ledger)
+    question = "Under which licences are the libtasn1 library and the libidn2 library distributed?"
+    found = prefetch(retriever)(question, ledger)
     assert found.tool == "search_documents"
     assert [p.doc for p in ledger.passages] == ["libidn2.pdf", "libtasn1.pdf", "libtasn1.pdf", "libtasn1.pdf"]
     assert {"doc_id": ["idn"]} in retriever.filters and {"doc_id": ["tasn", "tasn-copy"]} in retriever.filters
@@ -295,5 +297,5 @@ def test_a_question_naming_two_documents_gets_passages_from_each():
         retriever.filters.clear()
         prefetch(retriever)(question, SourceLedger())
         assert retriever.filters == [None], question
-    assert list(named_documents("How do the SQLite limits page and the datatypes page differ?", retriever.documents())) == \
-        ["sqlite-datatypes.docx", "sqlite-limits.html"]
+    named = named_documents("How do the SQLite limits page and the datatypes page differ?", retriever.documents())
+    assert list(named) == ["sqlite-datatypes.docx", "sqlite-limits.html"]

@@ -199,7 +199,6 @@ def test_tied_scores_come_back_in_one_order_whatever_order_the_index_gives():
     assert orders == {("id-z", "id-a", "id-b", "id-c")}
 
 
-
 def test_an_identifier_of_the_documents_own_title_moves_nothing():
     # "ASN.1" is what the whole libtasn1 manual is about (its title page says so): any chunk holding it
     # outranked the one defining asn1_delete_structure, which holds neither it nor "libtasn1", and

@@ -380,8 +380,8 @@ def is_follow_up(question: str, history: Sequence[str] = ()) -> bool:
     return bool(history) and bool(FOLLOW_UP.search(question) or len(content_words(question) - ASKING_WORDS) <= 1)
 
 
-GENERIC_NAME_WORDS = frozenset({"manual", "readme", "spec", "info", "guide", "docs", "document", "notes", "html", "final",
-                                "draft", "copy", "page", "file", "index", "book"})
+GENERIC_NAME_WORDS = frozenset({"manual", "readme", "spec", "info", "guide", "docs", "document", "notes", "html",
+                                "final", "draft", "copy", "page", "file", "index", "book"})
 
 
 def named_documents(question: str, records: Sequence[dict]) -> dict[str, list[str]]:
@@ -395,8 +395,8 @@ def named_documents(question: str, records: Sequence[dict]) -> dict[str, list[st
     owners: dict[str, set[str]] = {}
     for name in by_name:
         for word in re.split(r"[^a-z0-9]+", name.rsplit(".", 1)[0].lower()):
-            if word not in GENERIC_NAME_WORDS and (len(word) == 4 if word.isdigit() else len(word) >= 4):  # a year, or a name
-                owners.setdefault(word, set()).add(name)
+            if word not in GENERIC_NAME_WORDS and (len(word) == 4 if word.isdigit() else len(word) >= 4):
+                owners.setdefault(word, set()).add(name)  # a year, or a name of four letters or more
     named = {name for word, names_ in owners.items() if len(names_) == 1 and word in words for name in names_}
     named |= {name for name in by_name if name.lower() in question.lower()}
     return {name: by_name[name] for name in sorted(named)}
