@@ -337,9 +337,17 @@ def names(text: str, noun: str) -> bool:
 
 # -- whether a text mentions a name (assistant/grounding.py, tools/retrieval.py) ------------------------
 
+def fold_text(text: str) -> str:
+    """`text` lower-cased, its whitespace and curly quotes folded and line-break hyphenation joined
+    ("ELE-\\nMENT", or "ELE- MENT" once whitespace was folded, is "element")."""
+    text = text.replace("\u2019", "'").replace("\u2018", "'").replace("\u201c", '"').replace("\u201d", '"')
+    text = re.sub(r"(\w)-\s*\n\s*(\w)", r"\1\2", text)  # line-break hyphenation
+    text = re.sub(r"(\w)- (\w)", r"\1\2", text)  # the same, after whitespace was folded
+    return " ".join(text.lower().split())
+
+
 def _term_fold(text: str) -> str:
-    text = re.sub(r"(\w)-\s*\n\s*(\w)", r"\1\2", text.replace("\u2019", "'"))  # line-break hyphenation
-    return " ".join(re.sub(r"[_-]+", " ", text.lower()).split())  # "AUTOMAKE_OPTIONS" is "AUTOMAKE OPTIONS" in a PDF
+    return " ".join(re.sub(r"[_-]+", " ", fold_text(text)).split())  # "AUTOMAKE_OPTIONS" is "AUTOMAKE OPTIONS" in a PDF
 
 
 def mentions(text: str, term: str) -> bool:

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from assistant.citations import NUMBER_WORDS, Passage, mentions  # noqa: F401 - mentions: API here too
+from assistant.citations import NUMBER_WORDS, Passage, fold_text, mentions  # noqa: F401 - mentions: API here too
 
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
                   r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|(?:[ \t]*\[\d{1,3}\])?[ \t.]*$)", re.I | re.M)
@@ -101,10 +101,10 @@ class Evidence:
     """The texts the model was shown, folded for whole-word lookups."""
 
     def __init__(self, texts: Iterable[str]) -> None:
-        self.text = " " + " ".join(_fold(t) for t in texts if t) + " "
+        self.text = " " + " ".join(fold_text(t) for t in texts if t) + " "
 
     def holds(self, fact: str) -> bool:
-        folded = _fold(fact)
+        folded = fold_text(fact)
         if not folded:
             return True
         if re.search(rf"(?<![\w]){re.escape(folded)}(?![\w])", self.text):
@@ -226,10 +226,3 @@ def _with_trailing_markers(sentences: list[str]) -> list[str]:
         if piece.strip():
             out.append(piece)
     return out
-
-
-def _fold(text: str) -> str:
-    text = text.replace("\u2019", "'").replace("\u2018", "'").replace("\u201c", '"').replace("\u201d", '"')
-    text = re.sub(r"(\w)-\s*\n\s*(\w)", r"\1\2", text)  # line-break hyphenation
-    text = re.sub(r"(\w)- (\w)", r"\1\2", text)  # the same, after whitespace was folded ("ELE- MENT")
-    return " ".join(text.lower().split())

@@ -103,6 +103,9 @@ class Retriever:
         self.index, self.embedder = index, embedder
         self.sparse = sparse or Bm25Encoder()
         self.top_k, self.candidates = top_k, candidates
+        # doc id -> (its committed version, its title, its chunks in order): read once per version, so that
+        # a search naming identifiers, or a count question trying ten sections, does not re-read them
+        self._docs: dict[str, tuple[Any, str, list[dict] | None]] = {}
 
     @classmethod
     def from_config(cls, config, collection: str | None = None, *, num_threads: int | None = None) -> "Retriever":
@@ -149,17 +152,39 @@ class Retriever:
         return distinct(hits)[:k]
 
     def _title(self, hit: Hit, titles: dict[str, str]) -> str:
-        """The file name and the first TITLE_LINES lines of `hit`'s document (read once per search); none
-        for a note of a few chunks, whose first lines are what it says."""
+        """The file name and the first TITLE_LINES lines of `hit`'s document (its record read once per
+        search, its first page once per version); none for a note of a few chunks, whose first lines are
+        what it says."""
         if hit.doc_id not in titles:  # by doc id: no scan of the library's records (find_document) per search
             record = next(iter(self.index.scroll({"kind": "doc", "doc_id": hit.doc_id})), None) or {}
-            first = []
-            if record.get("committed") and record.get("num_chunks", 0) > TITLE_MIN_CHUNKS:
-                first = [p["text"] for p in self.index.scroll({"kind": "page", "visible": 1, "doc_id": hit.doc_id,
-                                                               "version": record["committed"], "page": [1]})]
-            lines = [line for line in (first[0][:TITLE_CHARS] if first else "").splitlines() if line.strip()]
-            titles[hit.doc_id] = "\n".join([hit.file_name, *lines[:TITLE_LINES]]) if first else ""
+            titles[hit.doc_id] = self._document(hit.doc_id, record, hit.file_name)[1]
         return titles[hit.doc_id]
+
+    def _document(self, doc_id: str, record: dict, file_name: str) -> tuple[Any, str, list[dict] | None]:
+        """(committed version, title, chunks or None until `_chunks` reads them) of a document, cached
+        by version: a re-ingested document is read again."""
+        version = record.get("committed")
+        cached = self._docs.get(doc_id)
+        if cached is not None and cached[0] == version and version is not None:
+            return cached
+        first = []
+        if version and record.get("num_chunks", 0) > TITLE_MIN_CHUNKS:
+            first = [p["text"] for p in self.index.scroll({"kind": "page", "visible": 1, "doc_id": doc_id,
+                                                           "version": version, "page": [1]})]
+        lines = [line for line in (first[0][:TITLE_CHARS] if first else "").splitlines() if line.strip()]
+        self._docs[doc_id] = (version, "\n".join([file_name, *lines[:TITLE_LINES]]) if first else "", None)
+        return self._docs[doc_id]
+
+    def _chunks(self, doc_id: str, file_name: str) -> list[dict]:
+        """The visible chunks of a document in chunk order, read once per committed version."""
+        record = next(iter(self.index.scroll({"kind": "doc", "doc_id": doc_id})), None) or {}
+        version, title, chunks = self._document(doc_id, record, file_name)
+        if chunks is None:
+            where = {"kind": "chunk", "visible": 1, "doc_id": doc_id, **({"version": version} if version else {})}
+            chunks = sorted(self.index.scroll(where), key=lambda c: c["chunk_index"])
+            if version is not None:
+                self._docs[doc_id] = (version, title, chunks)
+        return chunks
 
     def readable(self, hits: list[Hit]) -> list[Hit]:
         """`hits` as a reader should get them: a table cut mid-row given whole rows and its header
@@ -196,8 +221,7 @@ class Retriever:
         chunks (in chunk order) that carry the hit's heading and include the hit, from the first one's
         start to the last one's end, at most `max_chars` (the hit's own page slice when the document has
         no headings there). For whole-section questions: "how many options…", "list every…"."""
-        chunks = sorted(self.index.scroll({"kind": "chunk", "visible": 1, "doc_id": hit.doc_id}),
-                        key=lambda c: c["chunk_index"])
+        chunks = self._chunks(hit.doc_id, hit.file_name)
         at = next((i for i, c in enumerate(chunks) if c["page"] == hit.page and c["start_char"] == hit.start_char), None)
         if at is None or not hit.heading:
             first = last = {"page": hit.page, "start_char": hit.start_char, "end_char": hit.end_char}

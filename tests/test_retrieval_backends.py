@@ -228,3 +228,31 @@ def test_an_identifier_of_the_documents_own_title_moves_nothing():
     # an identifier the title does not hold still comes first, whatever its fused rank
     hits = retriever.search("Since which libtasn1 version is asn1_perror available?", k=3)
     assert [h.chunk_id for h in hits] == ["id-rare", "id-target", "id-00"]
+
+
+def test_a_documents_chunks_are_read_once_per_version(tmp_path):
+    # a count question tries the sections of up to ten hits: each read had scrolled all of the
+    # document's chunks again; a re-ingested document must still be read anew
+    embedder = HashEmbedder(DIM)
+    index = EdgeIndex(tmp_path / "edge", DIM)
+    ingester = Ingester(index, embedder, Chunker(embedder.tokenize, chunk_tokens=32, overlap_tokens=4))
+    doc = tmp_path / "notes.md"
+    doc.write_text("# Pumps\n\n" + ". ".join(SENTENCES[:6]) + ".\n\n# Valves\n\n" + ". ".join(SENTENCES[6:]) + ".\n")
+    assert [r.status for r in ingester.ingest([doc])] == ["added"]
+    retriever = Retriever(index, embedder)
+    scrolls: list[dict] = []
+    scroll = index.scroll
+    index.scroll = lambda where, **kw: scrolls.append(where) or scroll(where, **kw)  # type: ignore[method-assign]
+    hit = next(h for h in retriever.search("breaker panel room", k=5) if h.heading == "Valves")
+    first = "".join(p.text for p in retriever.section(hit))
+    assert "breaker panel is in room 4" in first and "centrifugal pump" not in first
+    assert "".join(p.text for p in retriever.section(hit)) == first
+    assert sum(w.get("kind") == "chunk" for w in scrolls) == 1
+
+    doc.write_text(doc.read_text().replace("room 4", "room 9"))
+    assert [r.status for r in ingester.ingest([doc])] == ["updated"]
+    hit = next(h for h in retriever.search("breaker panel room", k=5) if h.heading == "Valves")
+    again = "".join(p.text for p in retriever.section(hit))
+    assert "breaker panel is in room 9" in again and "room 4" not in again
+    assert sum(w.get("kind") == "chunk" for w in scrolls) == 2
+    index.close()
