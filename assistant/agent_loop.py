@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
+from assistant.brevity import SentenceCap
 from assistant.citations import SourceLedger
 from assistant.compound import question_parts
 from assistant.config import AssistantConfig
@@ -76,6 +77,7 @@ class AgentOptions:
     summarize_overflow: bool = False  # fold turns that no longer fit into a model-written summary (else drop them)
     max_observation_chars: int = 4000  # of one tool result shown to the model
     check_answers: bool = True  # the large model re-reads a document answer's passages (assistant/answer_check.py)
+    answer_sentences: int = 2  # a document answer stops after this many sentences (assistant/brevity.py); 0: no cap
 
 
 class Emitter:
@@ -147,10 +149,15 @@ class TurnState:
         self._call_completion = delta.num_generated_tokens
         self._call_cached = delta.num_cached_tokens
         if delta.finish_reason:
-            self.finish = delta.finish_reason
-            self.completion_tokens += self._call_completion
-            self.cached_tokens += self._call_cached
-            self._call_completion = self._call_cached = 0
+            self.end_call(delta.finish_reason)
+
+    def end_call(self, reason: str) -> None:
+        """The call ended: by the engine (a stop token, the length limit), or by the loop, which stopped
+        reading a capped answer (assistant/brevity.py) and counts that as a stop."""
+        self.finish = reason
+        self.completion_tokens += self._call_completion
+        self.cached_tokens += self._call_cached
+        self._call_completion = self._call_cached = 0
 
     def usage_meta(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -257,15 +264,21 @@ class AgentLoop:
             if begin is not None:
                 begin()
             splitter = ToolCallSplitter([t.name for t in offered])
+            cap = SentenceCap(self.options.answer_sentences if context else 0)  # a document answer: two sentences
             last_flush, call_start = time.monotonic(), len(emitter.said)
             for delta in stream:
                 turn.track(delta)
-                yield from emitter.emit(splitter.feed(delta.text))
+                yield from emitter.emit(cap.feed(splitter.feed(delta.text)))
+                if cap.done:
+                    if not delta.finish_reason:  # still generating: stop it; the engine frees the request
+                        _close(stream)
+                        turn.end_call("stop")
+                    break
                 if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
                     flush(turn.text)
                     last_flush = time.monotonic()
             reply, rest = splitter.finish()
-            yield from emitter.emit(rest)
+            yield from emitter.emit(cap.feed(rest) + cap.finish())
             if turn.finish == "cancelled":
                 break
             if not reply.wants_tools:
@@ -380,6 +393,12 @@ class AgentLoop:
                 yield verdict
             context.append(observed)
         return context, found
+
+
+def _close(stream: Any) -> None:
+    close = getattr(stream, "close", None)
+    if callable(close):
+        close()
 
 
 def _within(tool: Any, scope: frozenset[str] | None) -> bool:

@@ -1,0 +1,65 @@
+"""Brevity (assistant/brevity.py): a document answer stops after two sentences, while it streams."""
+
+from __future__ import annotations
+
+import pytest
+
+from assistant.agent_loop import AgentOptions
+from assistant.brevity import SentenceCap
+from assistant.events import Done, TextDelta
+from tests.agent_fakes import MANUAL, FakeRetriever, make_assistant
+
+
+def capped(text: str, step: int, limit: int = 2) -> tuple[str, bool]:
+    cap, out = SentenceCap(limit), ""
+    for i in range(0, len(text), step):
+        out += cap.feed(text[i:i + step])
+        if cap.done:
+            break
+    return out + cap.finish(), cap.done
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_the_third_sentence_is_not_shown_and_markers_stay_with_their_sentence(step):
+    drift = "The function is asn1_delete_structure [2]. It sets the pointer to NULL [2]. It takes a pointer [3]."
+    assert capped(drift, step) == ("The function is asn1_delete_structure [2]. It sets the pointer to NULL [2].", True)
+    after_stop = "A is x [1]. B is e.g. y. [2] The third one [3]."  # "e.g. y" ends no sentence
+    assert capped(after_stop, step) == ("A is x [1]. B is e.g. y. [2]", True)
+    lines = "One [1].\nTwo [2].\nThree [3]."
+    assert capped(lines, step) == ("One [1].\nTwo [2].", True)
+    assert capped("Only one [1].", step) == ("Only one [1].", False)
+    assert capped("One [1]. Two [2]. [3]", step) == ("One [1]. Two [2]. [3]", False)  # a late marker is no sentence
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_lists_tables_and_code_are_not_cut(step):
+    for text in ["The options are:\n- a [1]\n- b [1]\n- c [1]", "One [1]. Two:\n- a\n- b\n- c",
+                 "One. Two.\n1. first\n2. second", "Speeds:\n| a | 1 |\n| b | 2 |\nThird. Fourth.",
+                 "Run this:\n```\nls -l\n```\nThen that. And more. And more."]:
+        assert capped(text, step) == (text, False)
+
+
+def test_no_cap_when_none_is_asked_for():
+    text = "One. Two. Three. Four."
+    assert capped(text, 1, limit=0) == (text, False)
+
+
+def test_a_document_answer_stops_generating_after_two_sentences(tmp_path):
+    answer = ["The warranty period", " is 7 years [1].", " The warranty runs from the", " date of purchase [1].", " The Zephyr",
+              " X2 is compact [1].", " Replace the filter", " every 6 months [1]."]
+    assistant, engine = make_assistant(tmp_path, answer, retriever=FakeRetriever(MANUAL))
+    events = list(assistant.turn(None, "What is the warranty period of the Zephyr X2?"))
+    done = events[-1]
+    assert isinstance(done, Done)
+    assert done.text == "The warranty period is 7 years [1]. The warranty runs from the date of purchase [1]."
+    shown = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert "compact" not in shown  # never shown, then taken back
+    stored = assistant.conversations.history(done.conversation_id)[-1]
+    assert stored.meta["finish_reason"] == "stop" and stored.meta["usage"]["completion_tokens"] == 5
+
+    # without passages in the prompt (no documents), or with the cap off, the answer is left whole
+    chat, _ = make_assistant(tmp_path / "chat", answer)
+    assert "compact" in list(chat.turn(None, "Tell me about purifiers."))[-1].text
+    off, _ = make_assistant(tmp_path / "off", answer, retriever=FakeRetriever(MANUAL),
+                            options=AgentOptions(answer_sentences=0))
+    assert "compact" in list(off.turn(None, "What is the warranty period of the Zephyr X2?"))[-1].text
