@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from assistant.citations import NUMBER_WORDS, Passage, fold_text, mentions  # noqa: F401 - mentions: API here too
+from assistant.citations import NUMBER_WORDS, Passage, counted_noun, fold_text, mentions, stem  # noqa: F401 - mentions: API here too
 
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
                   r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|(?:[ \t]*\[\d{1,3}\])?[ \t.]*$)", re.I | re.M)
@@ -193,6 +193,36 @@ A_NUMBER = re.compile(r"(?<![A-Za-z_])\d|\bv\d|\b(?:" + "|".join(NUMBER_WORDS) +
 def states_no_number(question: str, answer: str) -> bool:
     """Whether `question` asks for a version and `answer` (markers aside) holds no number."""
     return bool(ASKS_NUMBER.search(question)) and not A_NUMBER.search(MARKERS.sub(" ", answer))
+
+
+# A count the model wrote itself ("The datatypes page lists 5 mathematical operators [1].") is a guess
+# unless a passage states it: small models cannot count (assistant/counting.py), and a counting question
+# reaches the model only when the count path found no list to count. On a dev run, all three such answers
+# were wrong: 5 operators (9), 2 file formats (4), and "100 MIME types" for a question the documents do not
+# answer, read off "the maximum is 100".
+COUNT_WORDS = 4  # words a stated count may have between its number and its noun ("six date and time functions")
+
+
+def unstated_count(question: str, answer: str, passages: Sequence[Passage]) -> str:
+    """The number `answer` gives as the count a "how many X" `question` asks for, when no passage
+    states that number of X (the number, then X within COUNT_WORDS words); "" otherwise, and when the
+    answer states no count."""
+    noun = counted_noun(question)
+    if noun == "items":
+        return ""
+    head = stem(noun.split()[-1])
+    number = rf"(\d+|{'|'.join(NUMBER_WORDS)})"
+    stated = re.compile(rf"(?<![\w.]){number}\s+(?:[\w/-]+\s+){{0,{COUNT_WORDS}}}?{re.escape(head)}", re.I)
+    found = stated.search(fold_text(MARKERS.sub(" ", answer)))
+    if not found:
+        return ""
+    given = found.group(1).lower()
+    forms = {given, NUMBER_WORDS.get(given, given), DIGIT_WORDS.get(given, given)}
+    for passage in passages:
+        for match in stated.finditer(fold_text(passage.text)):
+            if match.group(1).lower() in forms:
+                return ""
+    return given
 
 
 def not_mentioned(terms: Sequence[str], passages: Sequence[Passage]) -> str:

@@ -56,7 +56,7 @@ from assistant.errors import AssistantError, StoreError
 from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, ToolCallFinished,
                               ToolCallStarted, Transcribed, TurnEvent, TurnStarted, Usage)
 from assistant.grounding import (Evidence, facts_held, ground, mentions, not_mentioned, question_terms, refusal,
-                                 states_no_number)
+                                 states_no_number, unstated_count)
 from assistant.routing import LARGE, Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
@@ -71,6 +71,8 @@ IngestFiles = Callable[[str, Sequence[Attachment]], Iterator[TurnEvent]]  # (con
 log = logging.getLogger(__name__)
 UNMENTIONED = "The answer was withdrawn: it spoke of {terms}, which no document mentions."
 NO_NUMBER = "The answer was withdrawn: the question asks for a version, and it gave none."
+UNSTATED_COUNT = ("The answer was withdrawn: it gave a count ({count}) that no passage states, and no list to count "
+                  "was found.")
 
 
 class Orchestrator:
@@ -353,6 +355,10 @@ class Orchestrator:
             elif check.sources and isinstance(user.content, str) and states_no_number(user.content, final):
                 meta["states_no_number"] = True
                 why, instead = NO_NUMBER, refusal(turn.ledger.passages)
+            elif check.sources and isinstance(user.content, str) and turn.route != "count" and (
+                    count := unstated_count(user.content, final, turn.ledger.passages)):
+                meta["unstated_count"] = count
+                why, instead = UNSTATED_COUNT.format(count=count), refusal(turn.ledger.passages)
             if why:
                 meta.update({"grounding_refusal": True, "replaced_answer": final})
                 final = instead

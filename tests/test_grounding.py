@@ -198,3 +198,24 @@ def test_a_cited_answer_without_a_number_to_a_version_question_is_withdrawn(tmp_
     assert stored.meta["states_no_number"] and stored.meta["replaced_answer"].startswith("The Zephyr X2 is")
     kept = list(assistant.turn(None, "Since which version is the Zephyr X2 warranty 7 years?"))[-1]
     assert kept.text == "The warranty period is 7 years [1]."
+
+
+def test_a_count_no_passage_states_is_withdrawn(tmp_path):
+    # "How many mathematical operators does the datatypes page list?" got "5" (there are 9); the model
+    # writes a count only when the count path found no list, and it cannot count
+    from assistant.grounding import unstated_count
+
+    shown = [Passage(1, "a.html", 1, "SQLite supports six date and time functions as follows: date(), time().", "c"),
+             Passage(2, "b.pdf", 3, "The default priority value is 50, and the maximum is 100.", "d")]
+    assert unstated_count("How many MIME types does it define?", "It defines 100 MIME types [2].", shown) == "100"
+    assert unstated_count("How many date and time functions are there?", "There are 6 date and time functions [1].",
+                          shown) == ""  # stated, as a word, four words before its noun
+    assert unstated_count("How many date and time functions are there?", "There are 7 functions [1].", shown) == "7"
+    assert unstated_count("How many functions are there?", "They are date() and time() [1].", shown) == ""  # no count
+    assert unstated_count("What is the maximum priority?", "It is 100 [2].", shown) == ""  # not a count question
+    assistant, _ = make_assistant(tmp_path, "The Zephyr X2 has 3 filters [1].", "The Zephyr X2 has 3 filters [1].",
+                                  retriever=FakeRetriever(MANUAL))
+    done = list(assistant.turn(None, "How many filters does the Zephyr X2 have?"))[-1]
+    assert done.text.startswith(REFUSAL)
+    stored = assistant.conversations.history(done.conversation_id)[-1]
+    assert stored.meta["unstated_count"] == "3" and stored.meta["replaced_answer"].startswith("The Zephyr X2 has 3")
