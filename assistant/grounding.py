@@ -28,7 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from assistant.citations import NUMBER_WORDS, Passage, counted_noun, fold_text, mentions, stem  # noqa: F401 - mentions: API here too
+from assistant.citations import (NUMBER_WORDS, Passage, counted_noun, fold_text, mentions,  # noqa: F401 - API here too
+                                 stem)
 
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
                   r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|(?:[ \t]*\[\d{1,3}\])?[ \t.]*$)", re.I | re.M)

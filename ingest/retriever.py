@@ -37,6 +37,8 @@ there. On the eval library's dev questions, the four passages held every expecte
 from __future__ import annotations
 
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,6 +55,7 @@ IDENTIFIER = re.compile(r"(?<![\w.-])(?:(?=[\w.-]*\d)(?=[\w.-]*[^\W\d_])[^\W_][\
 
 TITLE_CHARS, TITLE_LINES = 200, 2  # of a document's first page: its title, what every chunk of it is about
 TITLE_MIN_CHUNKS = 3  # a document of at most this many chunks is a note: no title is discounted
+CACHED_CHUNK_DOCS = 8  # documents whose chunk lists (for `section`) are kept between calls
 
 
 def query_identifiers(query: str) -> list[str]:
@@ -103,9 +106,12 @@ class Retriever:
         self.index, self.embedder = index, embedder
         self.sparse = sparse or Bm25Encoder()
         self.top_k, self.candidates = top_k, candidates
-        # doc id -> (its committed version, its title, its chunks in order): read once per version, so that
-        # a search naming identifiers, or a count question trying ten sections, does not re-read them
-        self._docs: dict[str, tuple[Any, str, list[dict] | None]] = {}
+        # read once per committed version of a document, so that a search naming identifiers, or a count
+        # question trying ten sections, does not read them again: doc id -> (version, title), and for the
+        # last CACHED_CHUNK_DOCS documents whose sections were read, doc id -> (version, chunks in order)
+        self._titles: dict[str, tuple[Any, str]] = {}
+        self._chunk_cache: OrderedDict[str, tuple[Any, list[dict]]] = OrderedDict()
+        self._cache_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config, collection: str | None = None, *, num_threads: int | None = None) -> "Retriever":
@@ -156,35 +162,43 @@ class Retriever:
         search, its first page once per version); none for a note of a few chunks, whose first lines are
         what it says."""
         if hit.doc_id not in titles:  # by doc id: no scan of the library's records (find_document) per search
-            record = next(iter(self.index.scroll({"kind": "doc", "doc_id": hit.doc_id})), None) or {}
-            titles[hit.doc_id] = self._document(hit.doc_id, record, hit.file_name)[1]
+            record = self._record(hit.doc_id)
+            version = record.get("committed")
+            cached = self._titles.get(hit.doc_id)
+            if cached is None or not version or cached[0] != version:
+                first = []
+                if version and record.get("num_chunks", 0) > TITLE_MIN_CHUNKS:
+                    first = [p["text"] for p in self.index.scroll({"kind": "page", "visible": 1, "doc_id": hit.doc_id,
+                                                                   "version": version, "page": [1]})]
+                lines = [line for line in (first[0][:TITLE_CHARS] if first else "").splitlines() if line.strip()]
+                cached = (version, "\n".join([hit.file_name, *lines[:TITLE_LINES]]) if first else "")
+                with self._cache_lock:
+                    self._titles[hit.doc_id] = cached
+            titles[hit.doc_id] = cached[1]
         return titles[hit.doc_id]
 
-    def _document(self, doc_id: str, record: dict, file_name: str) -> tuple[Any, str, list[dict] | None]:
-        """(committed version, title, chunks or None until `_chunks` reads them) of a document, cached
-        by version: a re-ingested document is read again."""
-        version = record.get("committed")
-        cached = self._docs.get(doc_id)
-        if cached is not None and cached[0] == version and version is not None:
-            return cached
-        first = []
-        if version and record.get("num_chunks", 0) > TITLE_MIN_CHUNKS:
-            first = [p["text"] for p in self.index.scroll({"kind": "page", "visible": 1, "doc_id": doc_id,
-                                                           "version": version, "page": [1]})]
-        lines = [line for line in (first[0][:TITLE_CHARS] if first else "").splitlines() if line.strip()]
-        self._docs[doc_id] = (version, "\n".join([file_name, *lines[:TITLE_LINES]]) if first else "", None)
-        return self._docs[doc_id]
-
-    def _chunks(self, doc_id: str, file_name: str) -> list[dict]:
-        """The visible chunks of a document in chunk order, read once per committed version."""
-        record = next(iter(self.index.scroll({"kind": "doc", "doc_id": doc_id})), None) or {}
-        version, title, chunks = self._document(doc_id, record, file_name)
-        if chunks is None:
-            where = {"kind": "chunk", "visible": 1, "doc_id": doc_id, **({"version": version} if version else {})}
-            chunks = sorted(self.index.scroll(where), key=lambda c: c["chunk_index"])
-            if version is not None:
-                self._docs[doc_id] = (version, title, chunks)
+    def _chunks(self, doc_id: str) -> list[dict]:
+        """The visible chunks of a document's committed version in chunk order, read once per version
+        (the last CACHED_CHUNK_DOCS documents are kept)."""
+        version = self._record(doc_id).get("committed")
+        with self._cache_lock:
+            cached = self._chunk_cache.get(doc_id)
+            if cached is not None and version and cached[0] == version:
+                self._chunk_cache.move_to_end(doc_id)
+                return cached[1]
+        where = {"kind": "chunk", "visible": 1, "doc_id": doc_id, **({"version": version} if version else {})}
+        chunks = sorted(self.index.scroll(where), key=lambda c: c["chunk_index"])
+        if version:
+            with self._cache_lock:
+                self._chunk_cache[doc_id] = (version, chunks)
+                self._chunk_cache.move_to_end(doc_id)
+                while len(self._chunk_cache) > CACHED_CHUNK_DOCS:
+                    self._chunk_cache.popitem(last=False)
         return chunks
+
+    def _record(self, doc_id: str) -> dict:
+        """A document's record (its committed version, its number of chunks), by id."""
+        return next(iter(self.index.scroll({"kind": "doc", "doc_id": doc_id})), None) or {}
 
     def readable(self, hits: list[Hit]) -> list[Hit]:
         """`hits` as a reader should get them: a table cut mid-row given whole rows and its header
@@ -221,7 +235,7 @@ class Retriever:
         chunks (in chunk order) that carry the hit's heading and include the hit, from the first one's
         start to the last one's end, at most `max_chars` (the hit's own page slice when the document has
         no headings there). For whole-section questions: "how many options…", "list every…"."""
-        chunks = self._chunks(hit.doc_id, hit.file_name)
+        chunks = self._chunks(hit.doc_id)
         at = next((i for i, c in enumerate(chunks) if c["page"] == hit.page and c["start_char"] == hit.start_char), None)
         if at is None or not hit.heading:
             first = last = {"page": hit.page, "start_char": hit.start_char, "end_char": hit.end_char}

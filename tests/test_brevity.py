@@ -45,8 +45,8 @@ def test_no_cap_when_none_is_asked_for():
 
 
 def test_a_document_answer_stops_generating_after_two_sentences(tmp_path):
-    answer = ["The warranty period", " is 7 years [1].", " The warranty runs from the", " date of purchase [1].", " The Zephyr",
-              " X2 is compact [1].", " Replace the filter", " every 6 months [1]."]
+    answer = ["The warranty period", " is 7 years [1].", " The warranty runs from the", " date of purchase [1].",
+              " The Zephyr", " X2 is compact [1].", " Replace the filter", " every 6 months [1]."]
     assistant, engine = make_assistant(tmp_path, answer, retriever=FakeRetriever(MANUAL))
     events = list(assistant.turn(None, "What is the warranty period of the Zephyr X2?"))
     done = events[-1]
