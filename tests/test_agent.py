@@ -7,7 +7,7 @@ import pytest
 from assistant.toolcalls import ToolCallSplitter, loads_lenient, parse_reply
 from assistant.events import Notice, TextDelta, ToolCallFinished, ToolCallStarted, TurnStarted, Usage
 from assistant.orchestrator import AgentOptions
-from tests.agent_fakes import AddTool, make_orchestrator
+from tests.agent_fakes import MANUAL, AddTool, FakeRetriever, make_assistant, make_orchestrator
 from tools.base import Tool, ToolContext, ToolInputError, validate_arguments
 from tools.registry import ToolRegistry
 
@@ -328,3 +328,21 @@ def test_after_a_repeated_call_the_next_step_answers_without_tools(tmp_path):
     assert [e.skipped for e in events if isinstance(e, ToolCallFinished)] == [False, True]
     assert len(engine.prompts) == 3 and engine.tools_seen[2] is None  # no third chance to loop
     assert events[-1].text == "5."
+
+
+def test_a_follow_up_over_documents_carries_the_question_it_follows(tmp_path):
+    # "And which file does it write that output to?" lost its "it" behind the passages (dev-023)
+    from assistant.agent_loop import FOLLOWS
+
+    assistant, engine = make_assistant(tmp_path, "The warranty period is 7 years [1].", "It starts at purchase [1].",
+                                       "The filter lasts 6 months [1].", retriever=FakeRetriever(MANUAL))
+    first = list(assistant.turn(None, "What is the warranty period of the Zephyr X2?"))[-1]
+    assert engine.prompts[0][-1]["content"] == "What is the warranty period of the Zephyr X2?"
+    list(assistant.turn(first.conversation_id, "And when does it start?"))
+    assert engine.prompts[1][-1]["content"] == FOLLOWS.format(
+        earlier="What is the warranty period of the Zephyr X2?", question="And when does it start?")
+    assert FOLLOWS.format(earlier="E", question="Q").endswith("\nQ")  # the question's own tokens come last
+    list(assistant.turn(first.conversation_id, "How often should the HEPA filter of the purifier be replaced?"))
+    assert engine.prompts[2][-1]["content"] == "How often should the HEPA filter of the purifier be replaced?"
+    stored = [m.content for m in assistant.conversations.history(first.conversation_id) if m.role == "user"]
+    assert stored[1] == "And when does it start?"  # the conversation keeps what the user wrote

@@ -63,3 +63,4 @@ def test_a_document_answer_stops_generating_after_two_sentences(tmp_path):
     off, _ = make_assistant(tmp_path / "off", answer, retriever=FakeRetriever(MANUAL),
                             options=AgentOptions(answer_sentences=0))
     assert "compact" in list(off.turn(None, "What is the warranty period of the Zephyr X2?"))[-1].text
+
