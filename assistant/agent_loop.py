@@ -241,6 +241,8 @@ class AgentLoop:
         prompted = user
         if context and isinstance(user["content"], str) and is_follow_up(user["content"], history):
             prompted = {**user, "content": FOLLOWS.format(question=user["content"], earlier=history[-1])}
+        # a document answer stops after two sentences; a summary or comparison of whole files does not
+        limit = self.options.answer_sentences if context and getattr(found, "tool", "") != "read_document" else 0
         steps: list[Message] = []
         repairs_left, offer_tools = self.options.max_repairs, bool(tools)
         seen_calls: set[str] = set()
@@ -272,7 +274,7 @@ class AgentLoop:
             if begin is not None:
                 begin()
             splitter = ToolCallSplitter([t.name for t in offered])
-            cap = SentenceCap(self.options.answer_sentences if context else 0)  # a document answer: two sentences
+            cap = SentenceCap(limit)
             last_flush, call_start = time.monotonic(), len(emitter.said)
             for delta in stream:
                 turn.track(delta)

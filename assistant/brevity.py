@@ -16,6 +16,8 @@ Design note — what the model adds after two sentences drifts:
   * A sentence is what grounding splits on (assistant/grounding.py): ".", "!" or "?" then a space and
     a capital, or a line break. A citation marker written after the full stop ("... afterwards. [2]")
     is the earlier sentence's, so a piece counts as started only at its first word.
+  * A request to summarise or compare whole files (the prefetch read whole pages) is not capped: it
+    asks for more than one fact.
   * Lists, tables and code are not prose: once the answer has a bulleted or numbered line, a table row
     or a code fence, nothing is cut (a "which of ..." answer lists its items, one per line). Until the
     third piece has a few characters, it is held back: "- " may start a list item.

@@ -63,4 +63,8 @@ def test_a_document_answer_stops_generating_after_two_sentences(tmp_path):
     off, _ = make_assistant(tmp_path / "off", answer, retriever=FakeRetriever(MANUAL),
                             options=AgentOptions(answer_sentences=0))
     assert "compact" in list(off.turn(None, "What is the warranty period of the Zephyr X2?"))[-1].text
-
+    # a summary of whole files is not a lookup: it is left whole
+    summary = ["The Zephyr X2 is a compact air purifier [1].", " Replace the HEPA filter every 6 months [1].",
+               " The warranty period is 7 years [1].", " Clean the pre-filter monthly [1]."]
+    whole, _ = make_assistant(tmp_path / "summary", summary, retriever=FakeRetriever(MANUAL))
+    assert "pre-filter monthly" in list(whole.turn(None, "Summarise zephyr_manual.pdf"))[-1].text
