@@ -283,7 +283,8 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
             from assistant.counting import section_items
             from tools.retrieval import DocumentPrefetch
 
-            prefetch = DocumentPrefetch(handle, k=min(config.retrieval.top_k, 4), lists=section_items)
+            prefetch = DocumentPrefetch(handle, k=min(config.retrieval.top_k, 4), lists=section_items,
+                                         min_relevance=config.retrieval.min_relevance)
         media = media or Modalities(config)
         # the describer loads on the first picture ingested, not before
         documents = Documents(handle, describe_image=lambda path: media.describer.document_text(path),

@@ -164,6 +164,10 @@ class RetrievalConfig:
     chunk_tokens: int = 200  # chunk size in the embedder's tokens (MiniLM reads at most 256)
     chunk_overlap: int = 30  # tokens repeated between neighbouring chunks of a page
     candidates: int = 50  # chunks each of the dense and the sparse search hand to RRF fusion
+    # a question whose best cosine to any chunk is below this, and that names no document, section or term a
+    # passage holds, is not about the documents: nothing is prefetched (MiniLM: general questions scored
+    # 0.10-0.49, the eval's document questions 0.38-0.83); 0 = every question is searched
+    min_relevance: float = 0.4
     embed_batch_size: int = 32  # chunks embedded (and upserted) per batch during ingestion
     embed_threads: int = 0  # torch threads for `assistant ingest`/`eval`; 0 = the idle cores (max 4); `serve` keeps the engine's
     search_threads: int = 1  # Qdrant Edge search threads (one is fastest for single small queries)

@@ -112,6 +112,7 @@ class Retriever:
         self._titles: dict[str, tuple[Any, str]] = {}
         self._chunk_cache: OrderedDict[str, tuple[Any, list[dict]]] = OrderedDict()
         self._cache_lock = threading.Lock()
+        self._last_query: tuple[str, Any] | None = None  # the prefetch asks `similarity` and `search` of one query
 
     @classmethod
     def from_config(cls, config, collection: str | None = None, *, num_threads: int | None = None) -> "Retriever":
@@ -136,7 +137,7 @@ class Retriever:
             where[key] = value
         if not query.strip():
             return []
-        dense = self.embedder.embed_query(query) if mode in ("hybrid", "dense") else None
+        dense = self._query_vector(query) if mode in ("hybrid", "dense") else None
         sparse = self.sparse.encode_query(query) if mode in ("hybrid", "sparse") else None
         if sparse is not None and not sparse[0]:
             if mode == "sparse":
@@ -156,6 +157,23 @@ class Retriever:
             weight = [sum(1 / df[j] for j, has in enumerate(row) if has) for row in held]
             hits = [h for _, h in sorted(zip(weight, hits), key=lambda pair: -pair[0])]  # stable: fused order within
         return distinct(hits)[:k]
+
+    def similarity(self, query: str, filters: dict[str, Any] | None = None) -> float:
+        """The best cosine similarity of `query` to any visible chunk (0.0 for none): whether the library
+        has anything to say about it at all (tools/retrieval.py `DocumentPrefetch`)."""
+        hits = self.search(query, 1, filters, mode="dense")
+        return float(hits[0].score) if hits else 0.0
+
+    def _query_vector(self, query: str) -> Any:
+        """`query` embedded, the last one remembered (~10 ms of MiniLM saved when it is searched twice)."""
+        with self._cache_lock:
+            last = self._last_query
+        if last is not None and last[0] == query:
+            return last[1]
+        vector = self.embedder.embed_query(query)
+        with self._cache_lock:
+            self._last_query = (query, vector)
+        return vector
 
     def _title(self, hit: Hit, titles: dict[str, str]) -> str:
         """The file name and the first TITLE_LINES lines of `hit`'s document (its record read once per

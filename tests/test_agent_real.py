@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,14 @@ def test_answer_from_an_ingested_pdf_cites_the_right_page(models_dir, tmp_path, 
     assert all(s.page == 3 for s in sources)  # nothing else was cited
     stored = orch.store.get_message(done.message_id)
     assert any(s["page"] == 3 for s in stored.meta["sources"])
+    # a question the manual has nothing to do with gets no passages, so its answer is not grounded away
+    # ("1945" was withdrawn as a fact no passage held: "year" is on page 3)
+    events = list(orch.run_turn(None, "In which year did the Second World War end?"))
+    done = events[-1]
+    assert next(e for e in events if isinstance(e, ToolCallFinished)).summary == "nothing relevant"
+    assert not any(isinstance(e, Sources) and e.sources for e in events)
+    meta = orch.store.get_message(done.message_id).meta
+    assert "1945" in done.text and "unsupported_facts" not in meta and not meta.get("grounding_refusal")
 
 
 def test_python_runs_in_the_docker_sandbox(models_dir, tmp_path, closing):

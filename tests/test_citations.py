@@ -240,3 +240,51 @@ def test_a_marker_after_the_full_stop_cites_its_own_sentence_and_a_repeated_one_
                              ledger)
     assert check.text == "The globs2 file records the weight of each glob [1]. A glob gets a weight of 50 [2]."
     assert [s.marker for s in check.sources] == [1, 2] and check.inferred_markers == ()
+
+
+class Measured(FakeRetriever):
+    """A fake that also says how close a query comes to any page (the real one: the best dense cosine)."""
+
+    def __init__(self, docs, similarities: dict[str, float]) -> None:
+        super().__init__(docs)
+        self.similarities, self.measured = similarities, []
+
+    def similarity(self, query):
+        self.measured.append(query)
+        return next((v for q, v in self.similarities.items() if q in query), 0.1)
+
+
+def test_a_question_not_about_the_documents_gets_no_passages():
+    # "times" is on a page ("three times a year"), so the old rule took it as a document question, and
+    # grounding then withdrew "391", the one fact no passage held
+    from tools.retrieval import DocumentPrefetch, RetrieverHandle
+
+    docs = {"/docs/zephyr_manual.pdf": [*MANUAL["/docs/zephyr_manual.pdf"],
+                                        "Clean the OpenSSL-free Zephyr sensor three times a year.",
+                                        "New in this release: a night mode and a quieter fan."]}
+    retriever = Measured(docs, {"warranty": 0.72})
+    prefetch = DocumentPrefetch(RetrieverHandle(lambda: retriever))
+    found = prefetch("What is 17 times 23?", SourceLedger())
+    assert found.passages == [] and found.summary == "nothing relevant" and retriever.measured == ["What is 17 times 23?"]
+    assert prefetch("Translate 'good morning' into Spanish.", SourceLedger()).passages == []  # quoted, no section
+    assert prefetch("How long is the warranty?", SourceLedger()).passages  # close to a page
+    # far by similarity, but a passage found holds a term only it names, or the section it quotes
+    assert "Zephyr" in prefetch("How often do I clean the Zephyr sensor?", SourceLedger()).passages[0]
+    assert prefetch("What is listed under 'New in this release'?", SourceLedger()).passages
+    assert prefetch("Which file holds the sensor notes?", SourceLedger()).passages  # names documents
+    # a follow-up is judged with the questions before it
+    assert prefetch("And how long does it last?", SourceLedger(), ["What is the warranty period?"]).passages
+    assert prefetch("And 18 times 23?", SourceLedger(), ["What is 17 times 23?"]).passages == []
+    assert DocumentPrefetch(RetrieverHandle(lambda: retriever), min_relevance=0)(
+        "What is 17 times 23?", SourceLedger()).passages  # 0: every question is searched
+
+
+def test_specific_terms_name_one_thing():
+    from tools.retrieval import specific_terms
+
+    assert specific_terms("What is 17 times 23?") == []
+    assert specific_terms("Write a haiku about autumn.") == []
+    assert specific_terms("Which minimum OpenSSL version does libtasn1 need?") == ["OpenSSL", "libtasn1"]
+    assert specific_terms("Which PRAGMA sets mime.cache, asn1_der_coding and --verbose in 'New in this release'?") == \
+        ["New in this release", "PRAGMA", "mime.cache", "asn1_der_coding", "--verbose"]
+    assert specific_terms("Is -5 below x2?") == ["x2"]

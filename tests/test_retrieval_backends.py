@@ -256,3 +256,23 @@ def test_a_documents_chunks_are_read_once_per_version(tmp_path):
     assert "breaker panel is in room 9" in again and "room 4" not in again
     assert sum(w.get("kind") == "chunk" for w in scrolls) == 2
     index.close()
+
+
+def test_similarity_is_the_best_cosine_and_the_query_is_embedded_once(tmp_path):
+    # the prefetch asks how close a question comes to the library before it searches: one embedding
+    embedder = HashEmbedder(DIM)
+    index = EdgeIndex(tmp_path / "edge", DIM)
+    ingester = Ingester(index, embedder, Chunker(embedder.tokenize, chunk_tokens=32, overlap_tokens=4))
+    doc = tmp_path / "notes.md"
+    doc.write_text("# Pumps\n\n" + ". ".join(SENTENCES[:6]) + ".\n")
+    assert [r.status for r in ingester.ingest([doc])] == ["added"]
+    retriever = Retriever(index, embedder)
+    embedded: list[str] = []
+    embed_query = embedder.embed_query
+    embedder.embed_query = lambda text: embedded.append(text) or embed_query(text)  # type: ignore[method-assign]
+    chunk = retriever.search("centrifugal pump", k=1)[0].text
+    assert retriever.similarity(chunk) > 0.95  # a chunk's own text (embedded at ingest with its heading)
+    assert retriever.similarity("zebra quartz violin") < 0.5
+    assert retriever.similarity("zebra quartz violin", {"doc_id": ["no-such-doc"]}) == 0.0
+    assert embedded == ["centrifugal pump", chunk, "zebra quartz violin"]  # each query embedded once
+    index.close()

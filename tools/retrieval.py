@@ -43,7 +43,8 @@ DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads
 SUMMARY = re.compile(r"\b(summari[sz]e|summary of|compare|comparison|overview)\b", re.I)
 COUNTING = re.compile(r"\bhow many\b|\bnumber of (?:the )?\w+ (?:are|is|does|do)\b", re.I)
 # a question that leans on the previous one: "And ...?", "what does it return?", "those", "the second one"
-ASKING_WORDS = frozenset({"since", "whose"})  # question words that content_words keeps (its stopwords hold the rest)
+# question words that content_words keeps (its stopwords hold the rest), and "up" ("Up to what value?")
+ASKING_WORDS = frozenset({"since", "whose", "up"})
 FOLLOW_UP = re.compile(r"^\s*(?:and|also|then|so)\b|\b(?:it|its|that|those|these|them|they|this|one|ones|there)\b", re.I)
 
 log = logging.getLogger(__name__)
@@ -197,6 +198,11 @@ class ScopedRetriever:
 
     def _section(self, hit: Any, max_chars: int = 8000) -> Sequence[Any]:
         return self.retriever.section(hit, max_chars) if getattr(hit, "doc_id", None) in self.doc_ids else []
+
+    def similarity(self, query: str) -> float | None:
+        """The best cosine of `query` to a chunk of the scope (None: the retriever cannot tell)."""
+        measure = getattr(self.retriever, "similarity", None)
+        return measure(query, {"doc_id": sorted(self.doc_ids)}) if callable(measure) and self.doc_ids else None
 
     def _find(self, doc: str) -> str:
         """The doc id `doc` names in the scope, as ingest.pipeline.find_document resolves names."""
@@ -367,6 +373,28 @@ class Prefetched:
                                                     # guard screens, so scores cached at ingest are found
 
 
+QUOTED = re.compile(r"[\'\"\u2018\u201c]([^\'\"\u2019\u201d]{3,80})[\'\"\u2019\u201d]")
+TERM = re.compile(r"(?<![\w-])-{0,2}[A-Za-z0-9][\w./+-]*[\w+]|[A-Za-z0-9]")
+
+
+def specific_terms(text: str) -> list[str]:
+    """The words of `text` that name one thing rather than a common idea: quoted phrases, identifiers
+    (asn1_create_element, v1.2, mime.cache, ext4), ALL-CAPS names (PRAGMA, HTTP) and capitalised
+    words after the first (Ninja, OpenSSL). "times", "year" or "17" are not: every manual has them."""
+    terms = [m.group(1) for m in QUOTED.finditer(text)]
+    unquoted = QUOTED.sub(" ", text)
+    for match in TERM.finditer(unquoted):
+        word = match.group(0).rstrip(".")
+        has_digit, has_letter = any(c.isdigit() for c in word), any(c.isalpha() for c in word)
+        opens = unquoted[: match.start()].rstrip()[-1:] in ("", ".", "?", "!", ":")  # a sentence's first word
+        if ((has_digit and has_letter) or any(c in word for c in "_./+")
+                or (word.startswith("-") and word.lstrip("-")[:1].isalpha())
+                or (len(word) >= 2 and word.isalpha() and (word.isupper() or (not opens and word[0].isupper())
+                                                           or any(c.isupper() for c in word[1:])))):
+            terms.append(word)
+    return list(dict.fromkeys(terms))
+
+
 def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
     """The search query for `question`: a follow-up ("and the second one?", "what does it return?",
     "since which version?": a pronoun, or one content word at most) is searched together with the
@@ -447,14 +475,24 @@ class DocumentPrefetch:
         agent loop counts them by listing (see assistant/counting.py);
       * any other question is searched (with the previous question when it is a follow-up), and hits
         that share no content word with it are left out unless it names documents ("file", "pdf",
-        ...), so "compute the 20th Fibonacci number" does not drag a manual into the prompt. A question
+        ...). A question
         that names two documents or more (`named_documents`: "the libtasn1 library and the libidn2
         library") is searched in each of them, and their hits are taken in turn: one search over the
-        library had filled all four places with one manual's chunks."""
+        library had filled all four places with one manual's chunks.
+
+    Design note — is the question about the documents at all? Before any of that, a question that is
+    not gets nothing ("nothing relevant"; the search tool stays offered). Sharing a content word is no
+    sign: with ten manuals in the library, 83 of 100 general questions ("What is 17 times 23?", "Write
+    a haiku about autumn") shared one ("times", "write") with some chunk, got passages, and grounding
+    then withdrew "391" as a fact no passage held. A question is about the documents when it names
+    them (a document word, a file name or a word only one file's name has, a section), when its best
+    dense cosine to any chunk reaches `min_relevance`, or when a passage found for it holds one of its
+    specific terms (`specific_terms`: "OpenSSL", "PRAGMA", "'New in this release'"). A follow-up is
+    judged with the two questions before it."""
 
     def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000,
-                 lists: Callable[[str, str, str], Sequence[str]] | None = None) -> None:
-        self.handle, self.k, self.max_read_chars = handle, k, max_read_chars
+                 lists: Callable[[str, str, str], Sequence[str]] | None = None, min_relevance: float = 0.4) -> None:
+        self.handle, self.k, self.max_read_chars, self.min_relevance = handle, k, max_read_chars, min_relevance
         # (section text, counted noun, heading) -> the items of the list something there names as what is
         # counted (assistant/counting.py `section_items`, passed in by the composition root); None: the
         # section of a counting question is chosen by headings alone
@@ -475,6 +513,8 @@ class DocumentPrefetch:
             return Prefetched("read_document", {"documents": named}, rendered, f"read {len(rendered)} pages",
                               texts=[p.text for p in shown])
         query = retrieval_query(question, history)
+        if not self._about_documents(retriever, question, query, history, named):
+            return Prefetched("search_documents", {"query": query}, [], "nothing relevant")
         if COUNTING.search(question) and callable(getattr(retriever, "section", None)):
             named = named_section(question)
             hits = retriever.search(named, 2 * self.k + 2, None) if named else []  # the section by its name first
@@ -500,6 +540,26 @@ class DocumentPrefetch:
         where = ", ".join(dict.fromkeys(f"{p.doc} p. {p.page}" for p in passages)) or "nothing relevant"
         return Prefetched("search_documents", {"query": query}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where,
                           texts=[p.text for p in passages])
+
+    def _about_documents(self, retriever: Any, question: str, query: str, history: Sequence[str],
+                         named: Sequence[str]) -> bool:
+        """Whether `question` is about the documents at all (see the design note above)."""
+        if self.min_relevance <= 0 or named or DOCUMENT_WORDS.search(question):
+            return True
+        section = named_section(question)  # 'New in this release' is one; "good morning" (to translate) is not
+        if section and any(mentions(f"{getattr(h, 'heading', '') or ''}\n{getattr(h, 'text', '')}", section)
+                           for h in retriever.search(section, 2 * self.k + 2, None)):
+            return True
+        asked = " ".join([*history[-2:], question]) if is_follow_up(question, history) else question
+        if named_documents(asked, retriever.documents()):
+            return True
+        measure = getattr(retriever, "similarity", None)
+        similarity = measure(asked) if callable(measure) else None
+        if similarity is None or similarity >= self.min_relevance:  # None: the retriever cannot tell
+            return True
+        terms = specific_terms(asked)
+        return bool(terms) and any(mentions(getattr(h, "text", ""), t)
+                                   for h in retriever.search(query, self.k, None) for t in terms)
 
     def mentions(self, term: str, scope: Scope = None, *, k: int = 20) -> bool:
         """Whether any document of the turn's scope mentions `term` (assistant/grounding.py `mentions`):
