@@ -51,7 +51,7 @@ from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.grounding import says_anything
 from assistant.routing import Router
-from assistant.seams import InputGuard, StreamTransformer
+from assistant.seams import InputGuard, StreamTransformer, close_if_closable
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
 from tools.base import ToolContext, ToolResult
 from tools.registry import ToolRegistry
@@ -281,7 +281,7 @@ class AgentLoop:
                 yield from emitter.emit(cap.feed(splitter.feed(delta.text)))
                 if cap.done:
                     if not delta.finish_reason:  # still generating: stop it; the engine frees the request
-                        _close(stream)
+                        close_if_closable(stream)
                         turn.end_call("stop")
                     break
                 if time.monotonic() - last_flush >= FLUSH_INTERVAL_S:
@@ -403,12 +403,6 @@ class AgentLoop:
                 yield verdict
             context.append(observed)
         return context, found
-
-
-def _close(stream: Any) -> None:
-    close = getattr(stream, "close", None)
-    if callable(close):
-        close()
 
 
 def _within(tool: Any, scope: frozenset[str] | None) -> bool:

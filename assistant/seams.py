@@ -22,6 +22,14 @@ from assistant.errors import ToolUnavailable
 from assistant.events import TurnEvent
 
 
+def close_if_closable(obj: Any) -> None:
+    """Close `obj` when it can be closed: a token or event stream (the engine stops generating, a
+    generator's `finally` runs), a tool or a retriever holding resources. Anything else is left alone."""
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()
+
+
 @dataclass(frozen=True)
 class Attachment:
     """One file of a turn: bytes in memory or a path on disk (exactly one of the two)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from assistant.seams import close_if_closable
 from tools.base import Tool, ToolContext, ToolResult
 
 NO_OUTPUT_HINT = "Nothing was printed. Call the tool again with code that prints the value you need."
@@ -54,9 +55,7 @@ class PythonTool(Tool):
         return self._available
 
     def close(self) -> None:
-        close = getattr(self.interpreter, "close", None)
-        if callable(close):
-            close()
+        close_if_closable(self.interpreter)
 
     def forward(self, code: str, ctx: ToolContext) -> ToolResult:
         result = self.interpreter.forward(code, ctx.conversation_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterable
 
+from assistant.seams import close_if_closable
 from tools.base import Tool
 
 
@@ -68,9 +69,7 @@ class ToolRegistry:
     def close(self) -> None:
         """Close the tools that hold resources (the sandbox's containers)."""
         for tool in self._tools.values():
-            close = getattr(tool, "close", None)
-            if callable(close):
-                close()
+            close_if_closable(tool)
 
     def _require(self, name: str) -> None:
         if name not in self._tools:

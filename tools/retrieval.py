@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from assistant.citations import Passage, SourceLedger, content_words, counted_noun, mentions, names
+from assistant.seams import close_if_closable
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
@@ -106,9 +107,7 @@ class RetrieverHandle:
         """Close the retriever if it was opened (it holds the embedded index)."""
         with self._lock:
             retriever, self._retriever = self._retriever, None
-        close = getattr(retriever, "close", None)
-        if callable(close):
-            close()
+        close_if_closable(retriever)
 
     def refresh(self) -> None:
         """Forget the cached document_ids() answer (call after ingesting in the same process)."""

@@ -49,7 +49,7 @@ from assistant.errors import AssistantError
 from assistant.keys import artifact_file
 from assistant.events import (AudioChunk, Done, Error, ImageDescribed, Notice, SafetyVerdict, Source, Sources,
                               TextDelta, ToolCallFinished, ToolCallStarted, Transcribed, TurnEvent, TurnStarted, Usage)
-from assistant.seams import Attachment, UserInput
+from assistant.seams import Attachment, UserInput, close_if_closable
 
 try:
     import anywidget
@@ -604,7 +604,7 @@ class Chat(anywidget.AnyWidget):
                         result.add(event, resolve)
                     result.finish_reason = result.finish_reason or "cancelled"
             finally:
-                getattr(events, "close", lambda: None)()
+                close_if_closable(events)
                 self.busy = False
             self.conversation_id = result.conversation_id or self.conversation_id
             self.results.append(result)

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 from fastapi.responses import JSONResponse
 
+from assistant.seams import close_if_closable
 from assistant.server.completions import chunk, error_body, finish_reason
 from assistant.server.streaming import ClosingStreamingResponse
 
@@ -116,9 +117,7 @@ def assistant_completion(assistant: Any, messages: list[dict], params: Any, stre
                 raise
             finally:
                 cancel.set()  # a client that went away: the turn stops, its partial answer is kept
-                close = getattr(events, "close", None)
-                if close is not None:
-                    close()
+                close_if_closable(events)
                 tally.finish(ticket, failed)
         return ClosingStreamingResponse(chunks(), media_type="text/event-stream", headers=headers)
     sources: list[dict] = []

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 from assistant.engine.base import PREFIX, TokenDelta
 from assistant.errors import AssistantError, EngineBusy
+from assistant.seams import close_if_closable
 from assistant.toolcalls import ParsedReply, ToolCallSplitter, parse_reply
 
 log = logging.getLogger(__name__)
@@ -112,9 +113,7 @@ def drain(deltas: Iterator[TokenDelta]) -> tuple[str, TokenDelta]:
         for last in deltas:
             text.append(last.text)
     finally:
-        close = getattr(deltas, "close", None)
-        if close:
-            close()
+        close_if_closable(deltas)
     return "".join(text), last
 
 
@@ -174,9 +173,7 @@ def sse(deltas: Iterator[TokenDelta], shape: Shape, include_usage: bool, ticket:
         log.exception("generation failed mid-stream")
         yield f"data: {json.dumps(error_body(f'Generation failed: {type(e).__name__}: {e}', 'server_error'))}\n\n"
     finally:
-        close = getattr(deltas, "close", None)
-        if close:
-            close()
+        close_if_closable(deltas)
         if ticket is not None:  # also when the client went away (GeneratorExit): the partial counts
             status = "error" if failed else status_of(ended) if ended else "cancelled"
             ticket.finish(status, last.num_prompt_tokens, last.num_cached_tokens, last.num_generated_tokens)

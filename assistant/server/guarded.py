@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 from assistant.engine.base import TokenDelta
 from assistant.events import SafetyVerdict, TextDelta
+from assistant.seams import close_if_closable
 
 CONTENT_FILTER = "content_filter"
 
@@ -68,9 +69,7 @@ def guard_deltas(deltas: Iterator[TokenDelta], out: Any) -> Iterator[TokenDelta]
             yield TokenDelta(tail, (), CONTENT_FILTER if stopped else None, last.num_prompt_tokens,
                              last.num_generated_tokens, last.num_cached_tokens)
     finally:
-        close = getattr(deltas, "close", None)
-        if close is not None:
-            close()  # a stopped answer, or a client gone: the engine stops generating
+        close_if_closable(deltas)  # a stopped answer, or a client gone: the engine stops generating
 
 
 def _shown(events: Any) -> tuple[str, bool]:

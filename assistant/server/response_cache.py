@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from assistant.engine.base import TokenDelta
+from assistant.seams import close_if_closable
 
 _WORD = re.compile(r"[A-Za-z][A-Za-z0-9_+#.'-]*|\d+(?:[.,]\d+)*")
 
@@ -193,6 +194,4 @@ def recording(deltas: Iterator[TokenDelta], store: Callable[[dict[str, Any]], No
                 store({"text": "".join(text), "token_ids": ids, "finish_reason": d.finish_reason,
                        "num_prompt_tokens": d.num_prompt_tokens, "num_generated_tokens": d.num_generated_tokens})
     finally:
-        close = getattr(deltas, "close", None)
-        if close:
-            close()
+        close_if_closable(deltas)

@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from assistant.engine.base import SamplingParams
 from assistant.errors import AssistantError, StoreError
 from assistant.events import AudioChunk, TurnEvent, TurnStarted
+from assistant.seams import close_if_closable
 from assistant.server.auth import Principal, key_checker
 from assistant.server.gateway import Gateway, Refusal
 from assistant.server.schemas import TurnRequest
@@ -186,7 +187,5 @@ def _stream(events: Iterator[TurnEvent], running: RunningTurns, cancel: threadin
     finally:
         if turn_id:
             running.remove(turn_id)
-        close = getattr(events, "close", None)
-        if close is not None:
-            close()
+        close_if_closable(events)
         tally.finish(ticket, failed)
