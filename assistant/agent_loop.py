@@ -49,7 +49,7 @@ from assistant.counting import (LIST_ITEMS, MAX_ITEMS, MIN_LISTED, count_answer,
                                 section_items, supported_items)
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
-from assistant.grounding import says_anything
+from assistant.grounding import restates, says_anything
 from assistant.routing import Router
 from assistant.seams import InputGuard, StreamTransformer, close_if_closable
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
@@ -65,6 +65,9 @@ REPEATED_CALL = ("You already made exactly this call in this turn; its result is
 IN_WORDS = {"role": "system", "content": "That reply gave only a passage number. Answer the user's question in a full "
             "sentence that states the answer itself, written as in the passages, then the passage number in square "
             "brackets."}
+# the answer restated a question that asks for a named thing (grounding.restates): asked once more
+NAME_IT = ("That reply does not name the {noun}. Answer in one sentence that names the {noun} exactly as the "
+           "passages write it, then the passage number in square brackets.")
 # A follow-up over documents ("And which file does it write that output to?") carries the question it
 # follows: the passages stand between the two in the prompt, and the 1.5B model lost what "it" was.
 # (The note goes first: the question's own tokens stay as they were, and the input check finds them in
@@ -246,10 +249,11 @@ class AgentLoop:
         steps: list[Message] = []
         repairs_left, offer_tools = self.options.max_repairs, bool(tools)
         seen_calls: set[str] = set()
-        in_words = False  # the answer was only a passage number: asked once more, in words
+        again: Message | None = None  # the answer was only a passage number, or restated the question:
+        asked_again = False  # asked once more (IN_WORDS, NAME_IT), once
         for step in range(self.options.max_steps + 1):
             offered = tools if offer_tools and step < self.options.max_steps else []
-            wrap_up = [IN_WORDS] if in_words else [FINAL_ANSWER] if steps and not offered else []  # ask for the answer
+            wrap_up = [again] if again else [FINAL_ANSWER] if steps and not offered else []  # ask for the answer
             plan = fit_prompt(
                 PromptParts({"role": "system", "content": self.config.system_prompt}, prompted, chat, memory,
                             context, steps + wrap_up, [t.spec() for t in offered]),
@@ -293,13 +297,16 @@ class AgentLoop:
                 break
             if not reply.wants_tools:
                 said = emitter.said[call_start:]
-                if context and not in_words and said.strip() and not says_anything(said):
-                    # "[1]" and nothing else (the 1.5B model's answer to 2 of 104 test questions): asked
-                    # once more, without tools; the stray marker is removed by grounding
-                    in_words, offer_tools = True, False
-                    steps.append({"role": "assistant", "content": said})
-                    yield from emitter.emit(" ")
-                    continue
+                if context and not asked_again and said.strip():
+                    # "[1]" and nothing else (the 1.5B model's answer to 2 of 104 test questions), or a
+                    # restated question: asked once more, without tools; a stray marker is removed by grounding
+                    noun = restates(user["content"], said) if isinstance(user["content"], str) else ""
+                    if noun or not says_anything(said):
+                        again = {"role": "system", "content": NAME_IT.format(noun=noun)} if noun else IN_WORDS
+                        asked_again, offer_tools = True, False
+                        steps.append({"role": "assistant", "content": said})
+                        yield from emitter.emit(" ")
+                        continue
                 if emitter.said.strip() or not steps or not offered:
                     break
                 offer_tools = False  # tools were used but the reply is empty: ask once more for the answer
