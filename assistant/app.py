@@ -212,7 +212,8 @@ class Assistant:
 
         tools = [t.description for t in self.orchestrator.tools.enabled(None)]
         instructions = [context.context_message(["{passages}"])["content"], agent_loop.FINAL_ANSWER["content"],
-                        agent_loop.IN_WORDS["content"], agent_loop.REPEATED_CALL, agent_loop.UNTRUSTED]
+                        agent_loop.IN_WORDS["content"], agent_loop.NAME_IT, agent_loop.REPEATED_CALL,
+                        agent_loop.UNTRUSTED]
         return [self.config.system_prompt, *tools, *instructions]
 
     def default_params(self, **overrides: Any) -> SamplingParams:

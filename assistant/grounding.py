@@ -15,6 +15,10 @@ Design note — a fact the model could not have read is one it made up:
     unsupported fact is dropped; an answer left with no sentence that states a fact, or one with more
     unsupported facts than supported ones ("use this command: <made-up block>"), becomes a refusal
     that names the closest passages, so the user knows where to look.
+  * A name the model copied one letter off ("glob2" for the passage's "globs2": a dev two-hop answer
+    lost its first half so) is not made up: it is spelt as the evidence spells it, when exactly one
+    token there is one letter away with the same digits (`Evidence.spelling`). Numbers and versions
+    are never respelt.
   * Sentences without facts ("It is a compact purifier.") are left to the citation check
     (assistant/citations.py), which removes markers no passage supports.
   * Passage headers the model copied from the context ("[3] manual.pdf p. 8 (section X): …") are
@@ -61,6 +65,8 @@ EMPTY_WORDS = frozenset({"the", "a", "an", "it", "this", "is", "see"})
 # right speed, "4500 MB/s ... the 4th row", was refused for "4th" twice)
 ORDINAL = re.compile(r"\d{1,3}(?:st|nd|rd|th)", re.I)
 ABBREVIATIONS = frozenset({"e.g", "i.e", "etc", "vs", "cf", "a.k.a"})
+MIN_RESPELL = 5  # shorter names are respelt by no one: "glob" and "globs" are two words
+TOKEN = re.compile(r"[A-Za-z0-9_][\w./+-]*")
 
 
 @dataclass(frozen=True)
@@ -68,9 +74,11 @@ class Grounding:
     text: str  # the answer with unsupported sentences (and copied passage headers) removed
     unsupported: tuple[str, ...]  # the facts no evidence holds
     refused: bool  # the whole answer was unsupported and is now a refusal
+    respelled: tuple[tuple[str, str], ...] = ()  # (as the model wrote it, as the evidence does)
 
     def to_meta(self) -> dict:
-        return {"unsupported_facts": list(self.unsupported), "grounding_refusal": self.refused}
+        meta = {"unsupported_facts": list(self.unsupported), "grounding_refusal": self.refused}
+        return {**meta, "respelled": [list(pair) for pair in self.respelled]} if self.respelled else meta
 
 
 def strip_echoes(answer: str) -> str:
@@ -105,7 +113,21 @@ class Evidence:
     """The texts the model was shown, folded for whole-word lookups."""
 
     def __init__(self, texts: Iterable[str]) -> None:
-        self.text = " " + " ".join(fold_text(t) for t in texts if t) + " "
+        texts = [t for t in texts if t]
+        self.text = " " + " ".join(fold_text(t) for t in texts) + " "
+        self._raw, self._tokens = texts, None  # the evidence's identifiers, for `spelling` (read when asked)
+
+    def spelling(self, fact: str) -> str | None:
+        """The evidence's own spelling of an identifier the model copied one letter off ("glob2" for
+        "globs2"): the one token that differs from `fact` by a letter inserted, dropped or changed, with
+        the same digits. None when there is none or more than one: a number or a version is never
+        changed, and "glob2" is not "glob" or "globs"."""
+        if len(fact) < MIN_RESPELL or not any(c.isalpha() for c in fact):
+            return None
+        if self._tokens is None:
+            self._tokens = {t.strip(".-/") for raw in self._raw for t in TOKEN.findall(raw)}
+        near = {t for t in self._tokens if _one_letter_off(fact.lower(), t.lower())}
+        return near.pop() if len(near) == 1 else None
 
     def holds(self, fact: str) -> bool:
         folded = fold_text(fact)
@@ -122,22 +144,41 @@ def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) ->
     text = strip_echoes(answer)
     if answer.strip() and not says_anything(text):  # nothing but a copied passage header or a marker: no answer
         return Grounding(refusal(passages), (), True)
-    kept, unsupported, stated, supported = [], [], 0, 0
+    kept, unsupported, stated, supported, respelled = [], [], 0, 0, []
     for sentence in _with_trailing_markers(_sentences(text)):
         found = facts(sentence)
         missing = [f for f in found if not evidence.holds(f)]
+        for fact in list(missing):  # a name copied one letter off is the passage's name, spelt as it is there
+            spelt = evidence.spelling(fact)
+            if spelt is not None:
+                sentence = re.sub(rf"(?<![\w-]){re.escape(fact)}(?![\w-])", spelt, sentence)
+                missing.remove(fact)
+                respelled.append((fact, spelt))
         supported += len(found) - len(missing)
         if missing:
             unsupported.extend(missing)
             continue
         stated += bool(found)
         kept.append(sentence)
-    if not unsupported:
+    if not unsupported and not respelled:
         return Grounding(text, (), False)
     body = " ".join(s.strip() for s in kept if s.strip())
+    if not unsupported:
+        return Grounding(body, (), False, tuple(respelled))
     if stated == 0 or len(unsupported) > supported:  # mostly made up: what is left is not worth showing
-        return Grounding(refusal(passages), tuple(dict.fromkeys(unsupported)), True)
-    return Grounding(body, tuple(dict.fromkeys(unsupported)), False)
+        return Grounding(refusal(passages), tuple(dict.fromkeys(unsupported)), True, tuple(respelled))
+    return Grounding(body, tuple(dict.fromkeys(unsupported)), False, tuple(respelled))
+
+
+def _one_letter_off(a: str, b: str) -> bool:
+    """Whether `b` is `a` with one letter inserted, dropped or changed (never a digit)."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [(x, y) for x, y in zip(a, b) if x != y]
+        return len(diff) == 1 and diff[0][0].isalpha() and diff[0][1].isalpha()
+    short, long_ = (a, b) if len(a) < len(b) else (b, a)
+    return any(long_[i].isalpha() and long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
 
 
 def facts_held(passages: Iterable[Passage]) -> Callable[[str], dict[int, int]]:
@@ -164,6 +205,7 @@ ASKS_NAME = re.compile(r"\b(?:which|what)\s+(?:[\w./+-]+\s+){0,3}?(?P<noun>files
                        r"settings?|keys?|(?:storage )?class(?:es)?|formats?|attributes?|keywords?|rules?|procedures?|macros?|"
                        r"programs?|(?:return |error )?codes?|names?)\b", re.I)
 DECLINES = re.compile(r"\b(?:not|no|cannot|can't|doesn't|don't|unknown|unclear)\b", re.I)
+HYPHENATED = re.compile(r"(?<![\w-])[A-Za-z]\w*(?:-\w+)+")  # "generic-icons" names what "generic icons" does not
 CAPITALISED = re.compile(r"(?<![.!?:]\s)(?<!^)\b[A-Z][a-z]+[A-Za-z]*\b")
 
 
@@ -174,8 +216,9 @@ def restates(question: str, answer: str) -> str:
     if asked is None or not says_anything(answer) or DECLINES.search(answer):
         return ""
     text = MARKERS.sub(" ", answer).strip()
-    named = [*facts(text), *CAPITALISED.findall(text)]
-    return "" if any(not mentions(question, term) for term in named) else asked.group("noun").lower()
+    named = [*facts(text), *CAPITALISED.findall(text), *HYPHENATED.findall(text)]
+    new = [t for t in named if not re.search(rf"(?<![\w-]){re.escape(t)}(?:e?s)?(?![\w-])", question, re.I)]
+    return "" if new else asked.group("noun").lower()
 
 
 # -- what the question names --------------------------------------------------------------------
