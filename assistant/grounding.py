@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from assistant.citations import (NUMBER_WORDS, Passage, counted_noun, fold_text, mentions,  # noqa: F401 - API here too
-                                 stem)
+from assistant.citations import (NUMBER_WORDS, Passage, content_words, counted_noun, fold_text,  # noqa: F401
+                                 mentions, stem)
 
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
                   r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|(?:[ \t]*\[\d{1,3}\])?[ \t.]*$)", re.I | re.M)
@@ -141,7 +141,7 @@ class Evidence:
 
 def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) -> Grounding:
     """Drop the sentences of `answer` whose facts the evidence does not hold (see the design note)."""
-    text = strip_echoes(answer)
+    text = _without_repeats(strip_echoes(answer))
     if answer.strip() and not says_anything(text):  # nothing but a copied passage header or a marker: no answer
         return Grounding(refusal(passages), (), True)
     kept, unsupported, stated, supported, respelled = [], [], 0, 0, []
@@ -168,6 +168,21 @@ def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) ->
     if stated == 0 or len(unsupported) > supported:  # mostly made up: what is left is not worth showing
         return Grounding(refusal(passages), tuple(dict.fromkeys(unsupported)), True, tuple(respelled))
     return Grounding(body, tuple(dict.fromkeys(unsupported)), False, tuple(respelled))
+
+
+def _without_repeats(text: str) -> str:
+    """`text` without a sentence it already said (markers aside): an answer asked once more (the
+    agent loop's NAME_IT) may say its first sentence again. Untouched when nothing repeats."""
+    said: set[str] = set()
+    kept, repeated = [], False
+    for sentence in _sentences(text):
+        key = " ".join(MARKERS.sub(" ", fold_text(sentence)).split()).rstrip(". ")
+        if key and key in said and not sentence.lstrip().startswith(("-", "*", "|", "```")):
+            repeated = True
+            continue
+        said.add(key)
+        kept.append(sentence.strip())
+    return " ".join(kept) if repeated else text
 
 
 def _one_letter_off(a: str, b: str) -> bool:
@@ -218,7 +233,9 @@ def restates(question: str, answer: str) -> str:
     text = MARKERS.sub(" ", answer).strip()
     named = [*facts(text), *CAPITALISED.findall(text), *HYPHENATED.findall(text)]
     new = [t for t in named if not re.search(rf"(?<![\w-]){re.escape(t)}(?:e?s)?(?![\w-])", question, re.I)]
-    return "" if new else asked.group("noun").lower()
+    # nor a word of its own: "The keyword is dejagnu", "The special rule name is phony" name it in plain words
+    words = {stem(w) for w in content_words(text)} - {stem(w) for w in content_words(question)}
+    return "" if new or words else asked.group("noun").lower()
 
 
 # -- what the question names --------------------------------------------------------------------
