@@ -503,7 +503,8 @@ class DocumentPrefetch:
         if not handle.has_documents():
             return None
         retriever = handle.get()
-        documents = [doc_name(d) for d in retriever.documents()]
+        records = retriever.documents()  # read once per question
+        documents = [doc_name(d) for d in records]
         named = [d for d in documents if d.lower() in question.lower()]
         if SUMMARY.search(question) and (named or DOCUMENT_WORDS.search(question)):
             named = named or documents[:2]
@@ -512,7 +513,7 @@ class DocumentPrefetch:
             return Prefetched("read_document", {"documents": named}, rendered, f"read {len(rendered)} pages",
                               texts=[p.text for p in shown])
         query = retrieval_query(question, history)
-        if not self._about_documents(retriever, question, query, history, named):
+        if not self._about_documents(retriever, records, question, query, history, named):
             return Prefetched("search_documents", {"query": query}, [], "nothing relevant")
         if COUNTING.search(question) and callable(getattr(retriever, "section", None)):
             named = named_section(question)
@@ -526,7 +527,7 @@ class DocumentPrefetch:
                 where = f"{doc_name(hit)} section {hit.heading or '(untitled)'}"
                 return Prefetched("read_section", {"document": doc_name(hit), "section": hit.heading},
                                   [p.render() for p in passages], where, count=True, texts=[p.text for p in passages])
-        each = named_documents(question, retriever.documents())
+        each = named_documents(question, records)
         if len(each) >= 2:  # "the libtasn1 library and the libidn2 library": passages from each, in turn
             per = [retriever.search(query, self.k, {"doc_id": ids}) for ids in each.values()]
             found = [hit for row in itertools.zip_longest(*per) for hit in row if hit is not None][: self.k]
@@ -540,8 +541,8 @@ class DocumentPrefetch:
         return Prefetched("search_documents", {"query": query}, [p.render(MAX_PASSAGE_CHARS) for p in passages], where,
                           texts=[p.text for p in passages])
 
-    def _about_documents(self, retriever: Any, question: str, query: str, history: Sequence[str],
-                         named: Sequence[str]) -> bool:
+    def _about_documents(self, retriever: Any, records: Sequence[dict], question: str, query: str,
+                         history: Sequence[str], named: Sequence[str]) -> bool:
         """Whether `question` is about the documents at all (see the design note above)."""
         if self.min_relevance <= 0 or named or DOCUMENT_WORDS.search(question):
             return True
@@ -550,7 +551,7 @@ class DocumentPrefetch:
                            for h in retriever.search(section, 2 * self.k + 2, None)):
             return True
         asked = " ".join([*history[-2:], question]) if is_follow_up(question, history) else question
-        if named_documents(asked, retriever.documents()):
+        if named_documents(asked, records):
             return True
         measure = getattr(retriever, "similarity", None)
         similarity = measure(asked) if callable(measure) else None
