@@ -249,8 +249,8 @@ class AgentLoop:
         steps: list[Message] = []
         repairs_left, offer_tools = self.options.max_repairs, bool(tools)
         seen_calls: set[str] = set()
-        again: Message | None = None  # the answer was only a passage number, or restated the question:
-        asked_again = False  # asked once more (IN_WORDS, NAME_IT), once
+        again: Message | None = None  # the answer was only a passage number, or restated the question: asked
+                                      # once more (IN_WORDS, NAME_IT), once
         for step in range(self.options.max_steps + 1):
             offered = tools if offer_tools and step < self.options.max_steps else []
             wrap_up = [again] if again else [FINAL_ANSWER] if steps and not offered else []  # ask for the answer
@@ -297,13 +297,13 @@ class AgentLoop:
                 break
             if not reply.wants_tools:
                 said = emitter.said[call_start:]
-                if context and not asked_again and said.strip():
+                if context and again is None and said.strip():
                     # "[1]" and nothing else (the 1.5B model's answer to 2 of 104 test questions), or a
                     # restated question: asked once more, without tools; a stray marker is removed by grounding
                     noun = restates(user["content"], said) if isinstance(user["content"], str) else ""
                     if noun or not says_anything(said):
                         again = {"role": "system", "content": NAME_IT.format(noun=noun)} if noun else IN_WORDS
-                        asked_again, offer_tools = True, False
+                        offer_tools = False
                         steps.append({"role": "assistant", "content": said})
                         yield from emitter.emit(" ")
                         continue

@@ -356,3 +356,26 @@ def mentions(text: str, term: str) -> bool:
     if folded.endswith("s") and not folded.endswith("ss") and len(folded) > 3:  # "RFCs" is mentioned by "RFC 5890"
         folded = folded[:-1]
     return bool(folded) and re.search(rf"(?<![\w%]){re.escape(folded)}(?:e?s)?(?!\w)", _term_fold(text)) is not None
+
+
+# a quoted phrase: 'New in this release' (tools/retrieval.py `named_section` too)
+QUOTED = re.compile(r"[\'\"\u2018\u201c]([^\'\"\u2019\u201d]{3,80})[\'\"\u2019\u201d]")
+TERM = re.compile(r"(?<![\w-])-{0,2}[A-Za-z0-9][\w./+-]*[\w+]|[A-Za-z0-9]")
+
+
+def specific_terms(text: str) -> list[str]:
+    """The words of `text` that name one thing rather than a common idea: quoted phrases, identifiers
+    (asn1_create_element, v1.2, mime.cache, ext4), ALL-CAPS names (PRAGMA, HTTP) and capitalised
+    words after the first (Ninja, OpenSSL). "times", "year" or "17" are not: every manual has them."""
+    terms = [m.group(1) for m in QUOTED.finditer(text)]
+    unquoted = QUOTED.sub(" ", text)
+    for match in TERM.finditer(unquoted):
+        word = match.group(0).rstrip(".")
+        has_digit, has_letter = any(c.isdigit() for c in word), any(c.isalpha() for c in word)
+        opens = unquoted[: match.start()].rstrip()[-1:] in ("", ".", "?", "!", ":")  # a sentence's first word
+        if ((has_digit and has_letter) or any(c in word for c in "_./+")
+                or (word.startswith("-") and word.lstrip("-")[:1].isalpha())
+                or (len(word) >= 2 and word.isalpha() and (word.isupper() or (not opens and word[0].isupper())
+                                                           or any(c.isupper() for c in word[1:])))):
+            terms.append(word)
+    return list(dict.fromkeys(terms))

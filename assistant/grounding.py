@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from assistant.citations import (NUMBER_WORDS, Passage, content_words, counted_noun, fold_text,  # noqa: F401
-                                 mentions, stem)
+                                 mentions, specific_terms, stem)
 
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
                   r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|(?:[ \t]*\[\d{1,3}\])?[ \t.]*$)", re.I | re.M)
@@ -224,7 +224,6 @@ ASKS_NAME = re.compile(r"\b(?:which|what)\s+(?:[\w./+-]+\s+){0,3}?(?P<noun>files
                        r"programs?|(?:return |error )?codes?|names?)\b", re.I)
 DECLINES = re.compile(r"\b(?:not|no|cannot|can't|doesn't|don't|unknown|unclear)\b", re.I)
 HYPHENATED = re.compile(r"(?<![\w-])[A-Za-z]\w*(?:-\w+)+")  # "generic-icons" names what "generic icons" does not
-CAPITALISED = re.compile(r"(?<![.!?:]\s)(?<!^)\b[A-Z][a-z]+[A-Za-z]*\b")
 
 
 def restates(question: str, answer: str) -> str:
@@ -234,7 +233,7 @@ def restates(question: str, answer: str) -> str:
     if asked is None or not says_anything(answer) or DECLINES.search(answer):
         return ""
     text = MARKERS.sub(" ", answer).strip()
-    named = [*facts(text), *CAPITALISED.findall(text), *HYPHENATED.findall(text)]
+    named = [*facts(text), *specific_terms(text), *HYPHENATED.findall(text)]
     new = [t for t in named if not re.search(rf"(?<![\w-]){re.escape(t)}(?:e?s)?(?![\w-])", question, re.I)]
     # nor a word of its own: "The keyword is dejagnu", "The special rule name is phony" name it in plain words
     words = {stem(w) for w in content_words(text)} - {stem(w) for w in content_words(question)}

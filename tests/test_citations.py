@@ -280,7 +280,7 @@ def test_a_question_not_about_the_documents_gets_no_passages():
 
 
 def test_specific_terms_name_one_thing():
-    from tools.retrieval import specific_terms
+    from assistant.citations import specific_terms
 
     assert specific_terms("What is 17 times 23?") == []
     assert specific_terms("Write a haiku about autumn.") == []

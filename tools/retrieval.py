@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from assistant.citations import Passage, SourceLedger, content_words, counted_noun, mentions, names
+from assistant.citations import (QUOTED, Passage, SourceLedger, content_words, counted_noun, mentions, names,
+                                 specific_terms)
 from assistant.seams import close_if_closable
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
@@ -372,28 +373,6 @@ class Prefetched:
                                                     # guard screens, so scores cached at ingest are found
 
 
-QUOTED = re.compile(r"[\'\"\u2018\u201c]([^\'\"\u2019\u201d]{3,80})[\'\"\u2019\u201d]")
-TERM = re.compile(r"(?<![\w-])-{0,2}[A-Za-z0-9][\w./+-]*[\w+]|[A-Za-z0-9]")
-
-
-def specific_terms(text: str) -> list[str]:
-    """The words of `text` that name one thing rather than a common idea: quoted phrases, identifiers
-    (asn1_create_element, v1.2, mime.cache, ext4), ALL-CAPS names (PRAGMA, HTTP) and capitalised
-    words after the first (Ninja, OpenSSL). "times", "year" or "17" are not: every manual has them."""
-    terms = [m.group(1) for m in QUOTED.finditer(text)]
-    unquoted = QUOTED.sub(" ", text)
-    for match in TERM.finditer(unquoted):
-        word = match.group(0).rstrip(".")
-        has_digit, has_letter = any(c.isdigit() for c in word), any(c.isalpha() for c in word)
-        opens = unquoted[: match.start()].rstrip()[-1:] in ("", ".", "?", "!", ":")  # a sentence's first word
-        if ((has_digit and has_letter) or any(c in word for c in "_./+")
-                or (word.startswith("-") and word.lstrip("-")[:1].isalpha())
-                or (len(word) >= 2 and word.isalpha() and (word.isupper() or (not opens and word[0].isupper())
-                                                           or any(c.isupper() for c in word[1:])))):
-            terms.append(word)
-    return list(dict.fromkeys(terms))
-
-
 def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
     """The search query for `question`: a follow-up ("and the second one?", "what does it return?",
     "since which version?": a pronoun, or one content word at most) is searched together with the
@@ -429,8 +408,7 @@ def named_documents(question: str, records: Sequence[dict]) -> dict[str, list[st
     return {name: by_name[name] for name in sorted(named)}
 
 
-NAMED_SECTION = re.compile(r"[\'\"\u2018\u201c]([^\'\"\u2019\u201d]{3,80})[\'\"\u2019\u201d]|"
-                           r"\b((?:[A-Z][\w-]*\s+){0,5}[A-Z][\w-]*)\s+(?:section|chapter)\b")
+NAMED_SECTION = re.compile(QUOTED.pattern + r"|\b((?:[A-Z][\w-]*\s+){0,5}[A-Z][\w-]*)\s+(?:section|chapter)\b")
 
 
 def named_section(question: str) -> str:

@@ -57,7 +57,7 @@ def main() -> int:
         report[f"rag_{split}_questions"] = len(items)
         for name in missed:
             print(f"rag {split}: no passages for {name}")
-    retriever.index.close()
+    retriever.close()
     print(json.dumps(report))
     return 0
 
