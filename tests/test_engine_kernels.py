@@ -264,6 +264,33 @@ def test_screened_greedy_head_has_the_full_heads_argmax_and_exact_logits(shape, 
     assert int8.screened_rows == rows and int8.screened_candidates == int(finite.sum())
 
 
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_screened_greedy_head_keeps_exactly_the_tokens_its_rule_keeps(rows, monkeypatch):
+    """The candidates are the tokens whose upper bound reaches the row's largest lower bound (lm_head.cpp's
+    design note), however the vocabulary is split over threads and register tiles: computed here in float64
+    from the int8 weights, they must be the kernel's finite logits (bar a token within rounding of the floor)."""
+    torch.manual_seed(8)
+    native.set_threads(2)
+    weight = torch.randn(20000, 64) * 0.05
+    int8 = make_linear(weight, None, "native", monkeypatch)
+    int8.prepare_greedy()
+    x = torch.randn(rows, 64)
+    x[rows - 1] = weight[1234] * 40  # a peaked row (the only one when rows == 1) keeps few tokens
+    got = int8.greedy_logits(x, torch.ones(rows, dtype=torch.bool))
+    w = int8.weight.to(torch.int64)
+    h, low = w >> 4, (w & 15).double()
+    scale = (x.abs().amax(1, keepdim=True).clamp_min(1e-8) / 127).double()
+    q = torch.round(x.double() / scale)
+    ws = int8.scale.double()
+    est = (16 * (q @ h.double().T) + low.mean(1) * q.sum(1, keepdim=True)) * ws
+    spread = 8.0 * q.norm(dim=1, keepdim=True) * low.std(1, unbiased=False) * ws
+    floor = (est - spread).amax(1, keepdim=True)
+    upper = est + spread
+    want, near = upper >= floor, (upper - floor).abs() <= 1e-5 * floor.abs()
+    assert want.sum() >= rows and (rows == 1 or want.sum() > 2 * rows)  # random rows keep several tokens
+    assert torch.equal(torch.isfinite(got) | near, want | near)
+
+
 def test_screened_greedy_head_leaves_sampled_rows_to_the_full_layer(monkeypatch):
     torch.manual_seed(6)
     weight = torch.randn(700, 64) * 0.05
@@ -348,10 +375,12 @@ def _reference_attention(q, k, v, n):
     return torch.einsum("hnc,chd->nhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("heads,kv_heads,hd,longest", [(6, 2, 32, 20), (12, 1, 64, 90), (12, 2, 128, 40), (7, 1, 64, 33)])
+@pytest.mark.parametrize("heads,kv_heads,hd,longest", [(6, 2, 32, 20), (12, 1, 64, 90), (12, 2, 128, 40), (7, 1, 64, 33),
+                                                     (14, 2, 64, 300), (4, 1, 48, 257)])
 def test_native_attention_matches_causal_softmax_over_scattered_slots(ops, heads, kv_heads, hd, longest):
+    """Sequences up to 300 keys: several of attend's key segments (layer_ops.cpp), merged."""
     torch.manual_seed(5)
-    cache = 128
+    cache = 512
     kc, vc = torch.randn(cache, kv_heads, hd), torch.randn(cache, kv_heads, hd)
     seqs = [(torch.randperm(cache)[:longest], 1), (torch.randperm(cache)[:9], 4), (torch.randperm(cache)[:3], 3)]
     q = torch.randn(sum(n for _, n in seqs), heads, hd)
@@ -364,6 +393,21 @@ def test_native_attention_matches_causal_softmax_over_scattered_slots(ops, heads
         assert (out[rows].double() - want).abs().max() < 1e-5
         alone = ops.attend(q[rows].clone(), kc, vc, slots, torch.tensor([0, len(slots)]), torch.tensor([0, n]))
         assert torch.equal(alone, out[rows])  # a sequence's rows do not depend on the rest of the step
+
+
+@pytest.mark.parametrize("ctx,n", [(40, 5), (300, 8), (130, 4)])
+def test_native_attention_gives_a_query_row_the_same_bits_alone_or_with_its_sequences_other_rows(ops, ctx, n):
+    """A verify step of speculation attends n query rows of one sequence at once; each row must get exactly what
+    plain decoding gives it one step at a time (the same context, alone), or speculation changes the answer."""
+    torch.manual_seed(9)
+    kc, vc = torch.randn(512, 2, 64), torch.randn(512, 2, 64)
+    slots = torch.randperm(512)[:ctx]
+    q = torch.randn(n, 14, 64)
+    together = ops.attend(q, kc, vc, slots, torch.tensor([0, ctx]), torch.tensor([0, n]))
+    for j in range(n):
+        seen = ctx - n + j + 1
+        alone = ops.attend(q[j:j + 1].clone(), kc, vc, slots[:seen], torch.tensor([0, seen]), torch.tensor([0, 1]))
+        assert torch.equal(alone[0], together[j])
 
 
 def test_native_rope_store_matches_apply_rope_and_the_cache_write(ops):

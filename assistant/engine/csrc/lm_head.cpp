@@ -12,8 +12,15 @@
 //   3. keeps every token whose estimate could still be the maximum: with sigma_v = |q|_2 * std(l_v) (the
 //      error's standard deviation if the low nibbles are uncorrelated with q), token v is a candidate when
 //        ws_v (est_v + Z sigma_v)  >=  max_u ws_u (est_u - Z sigma_u);
+//      While streaming, each thread keeps per row only the tokens whose upper bound reaches the largest lower
+//      bound it has seen so far (a superset: that bound never exceeds the row's final one), with their
+//      estimates; once every bound is in, those are filtered against the final one. No estimate is stored for
+//      the whole vocabulary (a 16-row step wrote, re-read and rewrote 9.7 MB, and scanned it on one thread:
+//      ~0.2 ms a row);
 //   4. computes the candidates' logits exactly from the row-major int8 head (a0, a1 over q and r, the same
 //      epilogue as `linear`, bit for bit) and writes -inf for every other token.
+// In the stream, the odd vectors of a word group (the high nibble of each byte) are masked, not shifted: they
+// multiply as 16 (h + 8), and their sums are shifted back exactly (one vector op less per vector).
 // The argmax equals the full head's unless the winner's and a runner-up's errors together pass 2 Z sigma
 // (Z = 8: a 16-sigma gap, beyond any probability that matters under that model; measured on real rows of
 // Qwen2.5-0.5B, the largest |e_v| / sigma_v was 5.4 over ~5e7 token-rows). Ties resolve to the lowest
@@ -69,36 +76,60 @@ void screen_chunk(const uint8_t* w, const int32_t* xb, int64_t K4, int64_t k0, i
       next += tiles;
     }
     const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
-    v[0] = _mm512_and_si512(v0, low), v[1] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
-    v[2] = _mm512_and_si512(v1, low), v[3] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+    v[0] = _mm512_and_si512(v0, low), v[1] = _mm512_andnot_si512(low, v0);  // the high nibbles stay 16x
+    v[2] = _mm512_and_si512(v1, low), v[3] = _mm512_andnot_si512(low, v1);
   }, xb + k0, K4, n, a);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_si512(acc + r * BLOCK + 16 * j, a[r][j]);
 }
 
-// Rows r0 .. r0 + R of one block b from their accumulators (acc, BLOCK per row): est_v * ws_v into est, and the
-// largest lower bound ws_v (est_v - zq sigma_v) of each row max-combined into lower (16 lanes per row).
+// One participant's candidates of one row so far: token ids with their estimates est_v * ws_v, and the largest lower
+// bound ws_u (est_u - zq sigma_u) it has seen (at most the row's final floor, so it keeps a superset of the final
+// candidates; head_greedy filters them once every bound is in).
+struct Found {
+  std::vector<int32_t> v;
+  std::vector<float> est;
+  float floor = -INFINITY;
+};
+
+// Rows r0 .. r0 + R of one block b from their accumulators (acc, BLOCK per row): each row's estimates, its lower
+// bounds max-combined into found[r].floor, and the outputs whose upper bound ws_v (est_v + zq sigma_v) reaches
+// that floor appended to found[r] (a few per row once the floor has risen past the first block).
 template <int R>
-void estimate(const Screen& sc, const int32_t* acc, const float* sum_q, const float* zq, float* est, float* lower,
-              int64_t b) {
+void estimate(const Screen& sc, const int32_t* acc, const float* sum_q, const float* zq, Found* found, int64_t b) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int r = 0; r < R; ++r) {
-    __m512 lo_r = _mm512_loadu_ps(lower + 16 * r);
+    __m512 est[4], lo_r = _mm512_set1_ps(-INFINITY);
+    __mmask16 ms[4] = {0, 0, 0, 0};
     for (int j = 0; j < 4; ++j) {
       const int64_t col = b * BLOCK + 16 * j;
       if (col >= sc.N) break;
-      const __mmask16 m = tail_mask(sc.N - col);
+      const __mmask16 m = ms[j] = tail_mask(sc.N - col);
       // H = acc - 8 sum(q);  est = 16 H + mean(l) sum(q)
-      const __m512i h = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * BLOCK + 16 * j),
-                                         _mm512_set1_epi32(8 * static_cast<int32_t>(sum_q[r])));
-      const __m512 e = _mm512_mul_ps(
+      __m512i a = _mm512_loadu_si512(acc + r * BLOCK + 16 * j);
+      if (j & 1) a = _mm512_srai_epi32(a, 4);  // screen_chunk left the odd vectors' nibbles 16x: exact
+      const __m512i h = _mm512_sub_epi32(a, _mm512_set1_epi32(8 * static_cast<int32_t>(sum_q[r])));
+      est[j] = _mm512_mul_ps(
           _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(h), _mm512_set1_ps(16.f)),
                         _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc.mean + col), _mm512_set1_ps(sum_q[r]))),
           _mm512_maskz_loadu_ps(m, sc.ws + col));
-      _mm512_mask_storeu_ps(est + r * sc.N + col, m, e);
-      const __m512 lo = _mm512_sub_ps(e, _mm512_mul_ps(_mm512_set1_ps(zq[r]), _mm512_maskz_loadu_ps(m, sc.margin + col)));
+      const __m512 lo = _mm512_sub_ps(est[j], _mm512_mul_ps(_mm512_set1_ps(zq[r]), _mm512_maskz_loadu_ps(m, sc.margin + col)));
       lo_r = _mm512_mask_max_ps(lo_r, m, lo_r, lo);
     }
-    _mm512_storeu_ps(lower + 16 * r, lo_r);
+    Found& f = found[r];
+    f.floor = std::max(f.floor, _mm512_reduce_max_ps(lo_r));
+    const __m512 fv = _mm512_set1_ps(f.floor), zv = _mm512_set1_ps(zq[r]);
+    for (int j = 0; j < 4 && ms[j]; ++j) {
+      const int64_t col = b * BLOCK + 16 * j;
+      const __m512 up = _mm512_add_ps(est[j], _mm512_mul_ps(zv, _mm512_maskz_loadu_ps(ms[j], sc.margin + col)));
+      const __mmask16 keep = _mm512_mask_cmp_ps_mask(ms[j], up, fv, _CMP_GE_OQ);
+      if (!keep) continue;
+      const size_t at = f.v.size();
+      f.v.resize(at + 16), f.est.resize(at + 16);
+      _mm512_mask_compressstoreu_epi32(f.v.data() + at, keep, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(col)), lane));
+      _mm512_mask_compressstoreu_ps(f.est.data() + at, keep, est[j]);
+      f.v.resize(at + __builtin_popcount(keep)), f.est.resize(at + __builtin_popcount(keep));
+    }
   }
 }
 
@@ -158,14 +189,14 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
                   K4, N};
   // one stream over the 4-bit copy for every row: per block, tiles of TILE_ROWS rows over chunks of its K
   const int threads = int8k::pool().threads();
-  std::vector<float> lower(static_cast<size_t>(threads) * n * 16, -INFINITY);
+  std::vector<Found> found(static_cast<size_t>(threads) * n);  // per participant slot, per row
   const int64_t chunk = n <= int8k::TILE_ROWS ? K4 : CHUNK;
   const int tiles = static_cast<int>((n + int8k::TILE_ROWS - 1) / int8k::TILE_ROWS);
   int8k::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
-    // a participant's own bounds; a pool grown since `threads` was read (only a resize mid-call) shares the last
-    // slot, which can only lose a bound: fewer pruned candidates, never a missed argmax
+    // a participant's own candidates and bounds; a pool grown since `threads` was read (only a resize mid-call)
+    // shares the last slot, which can only lose a bound: more candidates, never a missed argmax
     const int slot = std::min(int8k::Pool::index(), threads - 1);
-    float* lw = lower.data() + static_cast<size_t>(slot) * n * 16;
+    Found* mine = found.data() + static_cast<size_t>(slot) * n;
     std::vector<int32_t> acc(n * BLOCK);
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = sc.packed + b * K4 * NIBBLE_BYTES;
@@ -181,48 +212,37 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
       }
       int8k::for_each_tile(n, [&](int64_t r0, int64_t R) {
         int8k::dispatch_rows(R, [&]<int T>() {
-          estimate<T>(sc, acc.data() + r0 * BLOCK, sum_q.data() + r0, zq.data() + r0, op + r0 * N, lw + r0 * 16, b);
+          estimate<T>(sc, acc.data() + r0 * BLOCK, sum_q.data() + r0, zq.data() + r0, mine + r0, b);
         });
       });
     }
   });
-  std::vector<float> floor_(n, -INFINITY);
-  for (int t = 0; t < threads; ++t)
-    for (int64_t i = 0; i < n; ++i)
-      for (int l = 0; l < 16; ++l) floor_[i] = std::max(floor_[i], lower[(static_cast<size_t>(t) * n + i) * 16 + l]);
-  auto counts = torch::empty({n}, x.options().dtype(torch::kLong));
-  const float* mp = sc.margin;
+  // the candidates: upper bound est + zq sigma >= the row's floor (the largest lower bound of all participants)
+  auto counts = torch::zeros({n}, x.options().dtype(torch::kLong));
+  int64_t* cp = counts.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int32_t>> cand;  // (row, token)
+  for (int64_t i = 0; i < n; ++i) {
+    float floor = -INFINITY;
+    for (int t = 0; t < threads; ++t) floor = std::max(floor, found[static_cast<size_t>(t) * n + i].floor);
+    for (int t = 0; t < threads; ++t) {
+      const Found& f = found[static_cast<size_t>(t) * n + i];
+      for (size_t c = 0; c < f.v.size(); ++c)
+        if (f.est[c] + zq[i] * sc.margin[f.v[c]] >= floor) cand.emplace_back(i, f.v[c]), ++cp[i];
+    }
+  }
+  // every other logit is -inf; the candidates' exact logits (the same epilogue as `linear`)
+  int8k::parallel_for(0, n * N, 1 << 15, [&](int64_t e0, int64_t e1) { std::fill(op + e0, op + e1, -INFINITY); });
   const float* wsp = sc.ws;
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-  std::vector<int32_t> cand(N);
-  for (int64_t i = 0; i < n; ++i) {
-    // candidates: est + zq sigma >= floor; every other logit becomes -inf on the way
-    float* row = op + i * N;
-    const __m512 zv = _mm512_set1_ps(zq[i]), fv = _mm512_set1_ps(floor_[i]);
-    int64_t count = 0;
-    for (int64_t v = 0; v < N; v += 16) {
-      const __mmask16 m = tail_mask(N - v);
-      const __m512 up = _mm512_add_ps(_mm512_maskz_loadu_ps(m, row + v), _mm512_mul_ps(zv, _mm512_maskz_loadu_ps(m, mp + v)));
-      const __mmask16 keep = _mm512_mask_cmp_ps_mask(m, up, fv, _CMP_GE_OQ);
-      const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(v)),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-      _mm512_mask_compressstoreu_epi32(cand.data() + count, keep, idx);
-      count += __builtin_popcount(keep);
-      _mm512_mask_storeu_ps(row + v, m, minus_inf);
+  int8k::parallel_for(0, static_cast<int64_t>(cand.size()), 16, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const auto [i, v] = cand[c];
+      const int8_t* row = wp + static_cast<int64_t>(v) * K;
+      const int32_t a0 = dot_row(row, q.data() + i * Kx, K, corr_q[i]), a1 = dot_row(row, r.data() + i * Kx, K, corr_r[i]);
+      op[i * N + v] = int8k::epilogue1(a0, a1, wsp[v], s[i], bp ? bp + v : nullptr);
     }
-    const int8_t* qi = q.data() + i * Kx;
-    const int8_t* ri = r.data() + i * Kx;
-    int8k::parallel_for(0, count, 64, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t v = cand[c];
-        const int32_t a0 = dot_row(wp + v * K, qi, K, corr_q[i]), a1 = dot_row(wp + v * K, ri, K, corr_r[i]);
-        row[v] = int8k::epilogue1(a0, a1, wsp[v], s[i], bp ? bp + v : nullptr);
-      }
-    });
-    counts.data_ptr<int64_t>()[i] = count;
-  }
+  });
   return {out, counts};
 }
 
