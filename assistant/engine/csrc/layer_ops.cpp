@@ -44,93 +44,129 @@ inline __m512 sum16(__m512 (&a)[16]) {
   return a[0];
 }
 
-// out_j = inv_j * sum_c p_j[c] v_c for n <= J query heads in one pass over the values: J accumulator sets of V
-// vectors; n < J is dispatched to the template with J = n, so no accumulator set is ever skipped at run time
-// (a skipped one sends the compiler to memory).
+constexpr int64_t SEGMENT = 128;  // keys per work item of `attend` (a multiple of 16)
+
+// o_j = sum_c p_j[c] v_c over `count` keys for n <= J query heads (p_j at p + j * stride) in one pass over the
+// values: J accumulator sets of V vectors; n < J is dispatched to the template with J = n, so no accumulator set
+// is ever skipped at run time (a skipped one sends the compiler to memory). V == 0: any head dim, one head a pass.
 template <int V, int J, class E>
-void weigh_heads(int64_t n, const float* p, int64_t visible, const E* vp, const int64_t* ctx_slots, int64_t KVH,
-                 int64_t g, const float* inv, float* out) {
-  if constexpr (J > 1) {
-    if (n < J) return weigh_heads<V, J - 1>(n, p, visible, vp, ctx_slots, KVH, g, inv, out);
-  }
-  __m512 o[J][V];
-  for (int j = 0; j < J; ++j)
-    for (int v = 0; v < V; ++v) o[j][v] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < visible; ++c) {
-    const E* val = vp + (ctx_slots[c] * KVH + g) * (16 * V);
-    __m512 vv[V];
-    for (int v = 0; v < V; ++v) vv[v] = load16(val + 16 * v);
-    for (int j = 0; j < J; ++j) {
-      const __m512 pc = _mm512_set1_ps(p[j * visible + c]);
-      for (int v = 0; v < V; ++v) o[j][v] = _mm512_fmadd_ps(pc, vv[v], o[j][v]);
+void weigh_heads(int64_t n, const float* p, int64_t stride, int64_t count, const E* vp, const int64_t* ctx_slots,
+                 int64_t KVH, int64_t g, int64_t hd, float* out) {
+  if constexpr (V == 0) {
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 o[16];
+      for (int64_t v = 0; v < hd / 16; ++v) o[v] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < count; ++c) {
+        const E* val = vp + (ctx_slots[c] * KVH + g) * hd;
+        const __m512 pc = _mm512_set1_ps(p[j * stride + c]);
+        for (int64_t v = 0; v < hd / 16; ++v) o[v] = _mm512_fmadd_ps(pc, load16(val + 16 * v), o[v]);
+      }
+      for (int64_t v = 0; v < hd / 16; ++v) _mm512_storeu_ps(out + j * hd + 16 * v, o[v]);
     }
+    return;
+  } else {
+    if constexpr (J > 1) {
+      if (n < J) return weigh_heads<V, J - 1>(n, p, stride, count, vp, ctx_slots, KVH, g, hd, out);
+    }
+    __m512 o[J][V];
+    for (int j = 0; j < J; ++j)
+      for (int v = 0; v < V; ++v) o[j][v] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < count; ++c) {
+      const E* val = vp + (ctx_slots[c] * KVH + g) * (16 * V);
+      __m512 vv[V];
+      for (int v = 0; v < V; ++v) vv[v] = load16(val + 16 * v);
+      for (int j = 0; j < J; ++j) {
+        const __m512 pc = _mm512_set1_ps(p[j * stride + c]);
+        for (int v = 0; v < V; ++v) o[j][v] = _mm512_fmadd_ps(pc, vv[v], o[j][v]);
+      }
+    }
+    for (int j = 0; j < J; ++j)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + j * 16 * V + 16 * v, o[j][v]);
   }
-  for (int j = 0; j < J; ++j)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + j * 16 * V + 16 * v, _mm512_mul_ps(o[j][v], _mm512_set1_ps(inv[j])));
 }
 
-// One (query row, kv head) item of `attend`: the G query heads qg (hd apart, pre-scaled) of kv head g over the
-// first `visible` of ctx_slots -> out (G rows of hd). V = hd / 16 as a template argument (0: known only at run
-// time) so that the loops over a head's vectors unroll and the accumulators stay in registers.
-//   scores: 16 keys at a time per head, the 16 dot products summed by one merge tree (sum16); the keys are
-//           re-read per head from L1;
-//   softmax: vectorized exp, 16 keys at a time;
-//   values: J = 16 / V heads share each pass over the values (one value load feeds all of them).
+// Where one work item of `attend` leaves its partial results: per (query row of its sequence, head), the segment's
+// largest score m, l = sum_c exp(score_c - m), and o = sum_c exp(score_c - m) v_c (hd floats, not normalized).
+struct Partials {
+  float* o;
+  float* m;
+  float* l;
+};
+
+// One work item of `attend`: keys s0 .. s0 + SEGMENT of one sequence (slots ctx_slots), for each of its `rows`
+// query rows (q: rows x H x hd, pre-scaled) that sees any of them (row r sees its first vis[r] keys), every head.
+// V = hd / 16 as a template argument (0: known only at run time) so that the loops over a head's vectors unroll.
+//   scores: 16 keys at a time; each key's whole cache record (every kv head) is read once per item and feeds all
+//           the rows and heads (L1), so the cache streams in order; the 16 dot products of a head are summed by
+//           one merge tree (sum16); the values of those 16 keys are prefetched meanwhile;
+//   softmax: vectorized exp over the segment, 16 keys at a time;
+//   values: 16 / V heads share each pass over the values (one value load feeds all of them).
 template <int V, class E>
-void attend_item(const float* qg, int64_t G, int64_t hd, const E* kp, const E* vp, const int64_t* ctx_slots,
-                 int64_t KVH, int64_t g, int64_t visible, std::vector<float>& p, float* out) {
-  const int64_t nv = V ? V : hd / 16;
-  p.resize(G * visible);
-  alignas(64) static const E zero_key[256] = {};  // stands in for the keys past the end of the last chunk
+void attend_segment(const float* q, int64_t rows, const int64_t* vis, int64_t H, int64_t KVH, int64_t hd,
+                    const E* kp, const E* vp, const int64_t* ctx_slots, int64_t s0, int64_t g0, int64_t g1,
+                    std::vector<float>& p, const Partials& out) {
+  const int64_t G = H / KVH, nv = V ? V : hd / 16, rec = KVH * hd;
+  const int64_t lines = (rec * static_cast<int64_t>(sizeof(E)) + 63) / 64;
+  auto limit = [&](int64_t r) { return std::min(vis[r], s0 + SEGMENT); };  // row r's keys end here
+  int64_t end = s0;
+  for (int64_t r = 0; r < rows; ++r) end = std::max(end, limit(r));
+  p.resize(rows * H * SEGMENT);
+  alignas(64) static const E zero_key[256] = {};  // stands in for the keys past a row's last
   const E* keys[16];
-  for (int64_t c0 = 0; c0 < visible; c0 += 16) {
-    const int64_t nk = std::min<int64_t>(16, visible - c0);
-    for (int c = 0; c < 16; ++c) keys[c] = c < nk ? kp + (ctx_slots[c0 + c] * KVH + g) * hd : zero_key;
-    for (int64_t j = 0; j < G; ++j) {
-      const float* qj = qg + j * hd;
-      __m512 acc[16];  // a fixed trip count with no early exit, so the 16 sums stay in registers
+  for (int64_t c0 = s0; c0 < end; c0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, end - c0);
+    for (int64_t c = 16; c < std::min<int64_t>(32, end - c0); ++c) {  // the next 16 keys and values, into L2
+      const char* k = reinterpret_cast<const char*>(kp + ctx_slots[c0 + c] * rec);
+      const char* v = reinterpret_cast<const char*>(vp + ctx_slots[c0 + c] * rec);
+      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(k + 64 * l, _MM_HINT_T1);
+      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(v + 64 * l, _MM_HINT_T1);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t rk = std::min<int64_t>(16, limit(r) - c0);
+      if (rk <= 0) continue;
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int c = 0; c < 16; ++c) keys[c] = c < rk ? kp + ctx_slots[c0 + c] * rec + g * hd : zero_key;
+        for (int64_t j = g * G; j < (g + 1) * G; ++j) {
+          const float* qj = q + (r * H + j) * hd;
+          __m512 acc[16];  // a fixed trip count with no early exit, so the 16 sums stay in registers
 #pragma GCC unroll 16
-      for (int c = 0; c < 16; ++c) {
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(keys[c]));
-        for (int64_t v = 1; v < nv; ++v) s = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), load16(keys[c] + 16 * v), s);
-        acc[c] = s;
+          for (int c = 0; c < 16; ++c) {
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qj), load16(keys[c]));
+            for (int64_t v = 1; v < nv; ++v) s = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), load16(keys[c] + 16 * v), s);
+            acc[c] = s;
+          }
+          _mm512_mask_storeu_ps(p.data() + (r * H + j) * SEGMENT + (c0 - s0), int8k::tail_mask(rk), sum16(acc));
+        }
       }
-      _mm512_mask_storeu_ps(p.data() + j * visible + c0, int8k::tail_mask(nk), sum16(acc));
     }
   }
-  float inv[256];  // G <= H <= 256
-  for (int64_t j = 0; j < G; ++j) {
-    float* pj = p.data() + j * visible;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t c = 0; c < visible; c += 16) {
-      const __mmask16 tm = int8k::tail_mask(visible - c);
-      mx = _mm512_mask_max_ps(mx, tm, mx, _mm512_maskz_loadu_ps(tm, pj + c));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t c = 0; c < visible; c += 16) {
-      const __mmask16 tm = int8k::tail_mask(visible - c);
-      const __m512 e = _mm512_maskz_mov_ps(tm, int8k::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tm, pj + c), m)));
-      _mm512_mask_storeu_ps(pj + c, tm, e);
-      total = _mm512_add_ps(total, e);
-    }
-    inv[j] = 1.f / _mm512_reduce_add_ps(total);
-  }
-  if constexpr (V == 0) {  // any head dim: one head per pass
-    for (int64_t j = 0; j < G; ++j) {
-      __m512 o[16];
-      for (int64_t v = 0; v < nv; ++v) o[v] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < visible; ++c) {
-        const E* val = vp + (ctx_slots[c] * KVH + g) * hd;
-        const __m512 pc = _mm512_set1_ps(p[j * visible + c]);
-        for (int64_t v = 0; v < nv; ++v) o[v] = _mm512_fmadd_ps(pc, load16(val + 16 * v), o[v]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t count = limit(r) - s0;
+    if (count <= 0) continue;
+    for (int64_t j = g0 * G; j < g1 * G; ++j) {
+      float* pj = p.data() + (r * H + j) * SEGMENT;
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < count; c += 16) {
+        const __mmask16 tm = int8k::tail_mask(count - c);
+        mx = _mm512_mask_max_ps(mx, tm, mx, _mm512_maskz_loadu_ps(tm, pj + c));
       }
-      for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(out + j * hd + 16 * v, _mm512_mul_ps(o[v], _mm512_set1_ps(inv[j])));
+      const float top = _mm512_reduce_max_ps(mx);
+      const __m512 m = _mm512_set1_ps(top);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t c = 0; c < count; c += 16) {
+        const __mmask16 tm = int8k::tail_mask(count - c);
+        const __m512 e = _mm512_maskz_mov_ps(tm, int8k::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tm, pj + c), m)));
+        _mm512_mask_storeu_ps(pj + c, tm, e);
+        total = _mm512_add_ps(total, e);
+      }
+      out.m[r * H + j] = top;
+      out.l[r * H + j] = _mm512_reduce_add_ps(total);
     }
-  } else {
-    for (int64_t j0 = 0; j0 < G; j0 += 16 / V)
-      weigh_heads<V, 16 / V>(std::min<int64_t>(16 / V, G - j0), p.data() + j0 * visible, visible, vp, ctx_slots, KVH, g,
-                             inv + j0, out + j0 * hd);
+    constexpr int J = V ? 16 / V : 1;
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j0 = g * G; j0 < (g + 1) * G; j0 += J)
+        weigh_heads<V, J>(std::min<int64_t>(J, (g + 1) * G - j0), p.data() + (r * H + j0) * SEGMENT, SEGMENT, count, vp,
+                          ctx_slots + s0, KVH, g, hd, out.o + (r * H + j0) * hd);
   }
 }
 
@@ -206,45 +242,79 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 // Causal attention of a step's queries over paged KV: q (T, H, hd), already scaled. Sequence b owns query
 // rows q_off[b] .. q_off[b + 1] (its newest positions) and context slots slots[kv_off[b] .. kv_off[b + 1]];
 // its j-th of n queries sees the first ctx - n + j + 1 of them (the cache already holds this step's keys).
-// One work item per (query row, kv head), so a row's result does not depend on the rest of the step; its G
-// query heads share each key load, and the softmax uses the vectorized exp. Measured against one head per
-// pass with a scalar exp (Qwen2.5-0.5B shapes, one decode query, same run): 82 -> 43 us at 300 keys,
-// 505 -> 306 us at 1,500.
+//
+// Design note. Decode attention is bound by reading the cache, and the cache holds each key's kv heads side by
+// side. One work item per (query row, kv head), as before, read half of every key's record, at half the bytes per
+// second of a sequential read (8.4 GB/s for one row at 2,000 keys of the 0.5B), and every query row of a sequence
+// (speculated tokens) read the whole cache again. Now one work item is a SEGMENT of one sequence's keys: it
+// reads each key's record once, in order, for all its query rows and heads, and leaves per (row, head) the
+// segment's max score m_s, l_s = sum exp(score - m_s) and o_s = sum exp(score - m_s) v; the rows are then merged
+// over their segments in order: M = max m_s, out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M). Segments
+// start at fixed key positions and a row reads only the keys it sees, so a row's numbers never depend on the
+// rest of the step (other sequences, or other rows of its own); with one segment (SEGMENT keys or fewer) they
+// are the single-pass softmax exactly (e^0 = 1). With too few items for the threads (short contexts), each is
+// split by kv head as well: the same numbers, each key's record then read once per kv head.
+// Measured, 24 layers of the 0.5B's shapes at 2,000 keys, the old and new builds alternating, medians of 7 (cache
+// blocks in order / shuffled): 1 row 3.6-3.8 -> 2.6-3.2 ms / 6.2 -> 3.4 ms; 4 rows of one sequence 7.5-9.1 ->
+// 6.5-7.6 / 10.3-11.6 -> 7.4-9.2 ms; 8 sequences of one row 29-31 -> 26.6 / 35-40 -> 29 ms. At 300 keys a
+// sequence's 4-8 rows cost 0.2-0.35 ms more a step (three segments balance worse over two threads than 8+ items).
 torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor kv_off,
                      torch::Tensor q_off) {
   q = q.contiguous();
   const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), KVH = kc.size(1), G = H / KVH, B = kv_off.size(0) - 1;
   TORCH_CHECK(hd % 16 == 0 && hd <= 256, "attend: head dim must be a multiple of 16, at most 256");
   TORCH_CHECK(q_off.size(0) == B + 1, "attend: one query range per sequence");
+  TORCH_CHECK(G * KVH == H, "attend: the query heads must split evenly over the kv heads");
   auto out = torch::empty_like(q);
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* kvo = kv_off.data_ptr<int64_t>();
   const int64_t* qo = q_off.data_ptr<int64_t>();
   TORCH_CHECK(qo[B] == T, "attend: query ranges do not cover q");
-  std::vector<int64_t> seq_of(T);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = qo[b]; t < qo[b + 1]; ++t) seq_of[t] = b;
+  // every query row's visible keys; work items (sequence, first key) and where their partials go
+  std::vector<int64_t> seq_of(T), vis(T);
+  struct Item {
+    int64_t b, s0, at;  // at: the item's first partial (row-major over its sequence's rows x heads)
+    int64_t g0, g1;     // its kv heads
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> first_item(B);
+  int64_t parts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qo[b + 1] - qo[b], ctx = kvo[b + 1] - kvo[b];
+    TORCH_CHECK(n <= ctx, "attend: a sequence has more queries than keys");
+    for (int64_t t = qo[b]; t < qo[b + 1]; ++t) seq_of[t] = b, vis[t] = ctx - n + (t - qo[b]) + 1;
+    first_item[b] = static_cast<int64_t>(items.size());
+    for (int64_t s0 = 0; s0 < ctx; s0 += SEGMENT) items.push_back({b, s0, parts, 0, KVH}), parts += n * H;
+  }
+  // too few items to keep every thread busy (short contexts): one per kv head as well. A (row, head)'s numbers
+  // are the same whichever item computes them; only the keys' records are then read once per kv head.
+  int64_t per_segment = 1;  // items per segment
+  if (KVH > 1 && static_cast<int64_t>(items.size()) < 2 * int8k::pool().threads()) {
+    per_segment = KVH;
+    std::vector<Item> split;
+    for (const Item& it : items)
+      for (int64_t g = 0; g < KVH; ++g) split.push_back({it.b, it.s0, it.at, g, g + 1});
+    items.swap(split);
+    for (int64_t b = 0; b < B; ++b) first_item[b] *= KVH;
+  }
+  std::vector<float> po(parts * hd), pm(parts), pl(parts);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t V = hd / 16;
   TORCH_CHECK(kc.dtype() == vc.dtype() && (kc.dtype() == torch::kFloat || kc.dtype() == torch::kBFloat16),
               "attend: the KV cache must be float32 or bfloat16");
-  TORCH_CHECK(G <= 256, "attend: at most 256 query heads per kv head");
   auto run = [&](const auto* kp, const auto* vp) {
-    // one work item per (query row, kv head): its G query heads share every key and value load
-    int8k::parallel_for(0, T * KVH, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> p;
+    int8k::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+      thread_local std::vector<float> p;
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = i / KVH, g = i % KVH, b = seq_of[t];
-        const int64_t n = qo[b + 1] - qo[b], ctx = kvo[b + 1] - kvo[b];
-        const int64_t visible = ctx - n + (t - qo[b]) + 1;
-        const float* qg = qp + (t * H + g * G) * hd;
-        float* dst = op + (t * H + g * G) * hd;
+        const Item& it = items[i];
+        const int64_t t0 = qo[it.b], n = qo[it.b + 1] - t0;
+        const Partials part{po.data() + it.at * hd, pm.data() + it.at, pl.data() + it.at};
         switch (V) {
-#define CASE(N) case N: attend_item<N>(qg, G, hd, kp, vp, sl + kvo[b], KVH, g, visible, p, dst); break;
+#define CASE(N) case N: attend_segment<N>(qp + t0 * H * hd, n, vis.data() + t0, H, KVH, hd, kp, vp, sl + kvo[it.b], it.s0, it.g0, it.g1, p, part); break;
           CASE(2) CASE(4) CASE(8) CASE(16)
 #undef CASE
-          default: attend_item<0>(qg, G, hd, kp, vp, sl + kvo[b], KVH, g, visible, p, dst); break;
+          default: attend_segment<0>(qp + t0 * H * hd, n, vis.data() + t0, H, KVH, hd, kp, vp, sl + kvo[it.b], it.s0, it.g0, it.g1, p, part); break;
         }
       }
     });
@@ -253,6 +323,30 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
     run(reinterpret_cast<const uint16_t*>(kc.data_ptr()), reinterpret_cast<const uint16_t*>(vc.data_ptr()));
   else
     run(kc.data_ptr<float>(), vc.data_ptr<float>());
+  // merge each row's segments, in order
+  int8k::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = seq_of[t], r = t - qo[b];
+      const int64_t segments = (vis[t] + SEGMENT - 1) / SEGMENT;
+      for (int64_t j = 0; j < H; ++j) {
+        auto at = [&](int64_t s) { return items[first_item[b] + s * per_segment].at + r * H + j; };
+        float top = -INFINITY;
+        for (int64_t s = 0; s < segments; ++s) top = std::max(top, pm[at(s)]);
+        __m512 o[16];
+        for (int64_t v = 0; v < V; ++v) o[v] = _mm512_setzero_ps();
+        float total = 0.f;
+        for (int64_t s = 0; s < segments; ++s) {
+          const float w = _mm512_cvtss_f32(int8k::exp16(_mm512_set1_ps(pm[at(s)] - top)));
+          total = total + pl[at(s)] * w;
+          const float* os = po.data() + at(s) * hd;
+          for (int64_t v = 0; v < V; ++v) o[v] = _mm512_add_ps(o[v], _mm512_mul_ps(_mm512_loadu_ps(os + 16 * v), _mm512_set1_ps(w)));
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / total);
+        float* dst = op + (t * H + j) * hd;
+        for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(dst + 16 * v, _mm512_mul_ps(o[v], inv));
+      }
+    }
+  });
   return out;
 }
 
