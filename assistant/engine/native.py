@@ -62,6 +62,19 @@ Tried and dropped: prefetching attention's paged keys and values (no gain: cold 
 x 300 keys, 9.0 vs 9.7 ms; it is bound by this core's misses in flight, ~7 GB/s, not by the order of
 the reads: a head-contiguous cache ran at the same bytes per second); a 16 KB prefetch distance or
 16 KB chunks (within noise).
+Profiled again on 2026-11-29 (each op timed in the layer loop, 0.5B, rows of their own sequences at 300 tokens
+of context): an 8-row step spent 8.3 ms in gate_up (5.4 at 1 row), 5.1 in down (3.0), 2.8 in qkv and o (1.8),
+4.8 in attention (1.0) and 6.7 in the screened head (2.1). Two of them changed. The head scanned an estimate
+of every token for its candidates on one thread (~0.2 ms a row) after writing them all (9.7 MB at 16 rows);
+lm_head.cpp now keeps each thread's candidates as it streams (its design note): head 6.4 -> 5.6 ms at 8 rows,
+13.9 -> 10.5 at 16 (step-curve A/B, three alternating process pairs). Attention read half of every key's
+cache record per item (a key's kv heads sit side by side; reading 256 of every 512 bytes runs at half the
+useful bytes per second of a sequential read here, 10.3 vs 21.8 GB/s on one thread) and the paged 8 KB
+blocks in a random order reach ~14 GB/s on two threads, ~21 GB/s with the next block prefetched into L2;
+`attend` now works per segment of a sequence's keys (layer_ops.cpp's design note has the figures).
+What was measured and left: 2 MB pages (THP_MEM_ALLOC_ENABLE=1) made an isolated linear over 24 copies of
+gate_up 23% faster but not a decode step (same curve, alternating runs); the GEMMs of an 8-row step cost ~3 ms
+more inside the step than the same calls interleaved alone, unexplained.
 Attention (csrc/layer_ops.cpp `attend`) was compute-bound, not bandwidth-bound: a horizontal sum per
 key and head, the values re-read once per query head, loops over a head's vectors with a run-time
 trip count (accumulators in memory). Now each (row, kv head) item is a template on hd / 16: 16 keys'
