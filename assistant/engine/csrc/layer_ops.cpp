@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "int8_common.h"
@@ -297,7 +298,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
     items.swap(split);
     for (int64_t b = 0; b < B; ++b) first_item[b] *= KVH;
   }
-  std::vector<float> po(parts * hd), pm(parts), pl(parts);
+  // every partial a row merges is written by its item first: no zero fill (megabytes at long contexts)
+  const std::unique_ptr<float[]> po(new float[parts * hd]), pm(new float[parts]), pl(new float[parts]);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t V = hd / 16;
@@ -309,7 +311,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
       for (int64_t i = i0; i < i1; ++i) {
         const Item& it = items[i];
         const int64_t t0 = qo[it.b], n = qo[it.b + 1] - t0;
-        const Partials part{po.data() + it.at * hd, pm.data() + it.at, pl.data() + it.at};
+        const Partials part{po.get() + it.at * hd, pm.get() + it.at, pl.get() + it.at};
         switch (V) {
 #define CASE(N) case N: attend_segment<N>(qp + t0 * H * hd, n, vis.data() + t0, H, KVH, hd, kp, vp, sl + kvo[it.b], it.s0, it.g0, it.g1, p, part); break;
           CASE(2) CASE(4) CASE(8) CASE(16)
@@ -338,7 +340,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
         for (int64_t s = 0; s < segments; ++s) {
           const float w = _mm512_cvtss_f32(int8k::exp16(_mm512_set1_ps(pm[at(s)] - top)));
           total = total + pl[at(s)] * w;
-          const float* os = po.data() + at(s) * hd;
+          const float* os = po.get() + at(s) * hd;
           for (int64_t v = 0; v < V; ++v) o[v] = _mm512_add_ps(o[v], _mm512_mul_ps(_mm512_loadu_ps(os + 16 * v), _mm512_set1_ps(w)));
         }
         const __m512 inv = _mm512_set1_ps(1.f / total);
