@@ -99,7 +99,7 @@ struct Partials {
 // V = hd / 16 as a template argument (0: known only at run time) so that the loops over a head's vectors unroll.
 //   scores: 16 keys at a time; each key's whole cache record (every kv head) is read once per item and feeds all
 //           the rows and heads (L1), so the cache streams in order; the 16 dot products of a head are summed by
-//           one merge tree (sum16); the values of those 16 keys are prefetched meanwhile;
+//           one merge tree (sum16); the next 16 keys' records (keys and values) are prefetched into L2 meanwhile;
 //   softmax: vectorized exp over the segment, 16 keys at a time;
 //   values: 16 / V heads share each pass over the values (one value load feeds all of them).
 template <int V, class E>
@@ -115,7 +115,6 @@ void attend_segment(const float* q, int64_t rows, const int64_t* vis, int64_t H,
   alignas(64) static const E zero_key[256] = {};  // stands in for the keys past a row's last
   const E* keys[16];
   for (int64_t c0 = s0; c0 < end; c0 += 16) {
-    const int64_t nk = std::min<int64_t>(16, end - c0);
     for (int64_t c = 16; c < std::min<int64_t>(32, end - c0); ++c) {  // the next 16 keys and values, into L2
       const char* k = reinterpret_cast<const char*>(kp + ctx_slots[c0 + c] * rec);
       const char* v = reinterpret_cast<const char*>(vp + ctx_slots[c0 + c] * rec);
@@ -312,11 +311,16 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
         const Item& it = items[i];
         const int64_t t0 = qo[it.b], n = qo[it.b + 1] - t0;
         const Partials part{po.get() + it.at * hd, pm.get() + it.at, pl.get() + it.at};
-        switch (V) {
-#define CASE(N) case N: attend_segment<N>(qp + t0 * H * hd, n, vis.data() + t0, H, KVH, hd, kp, vp, sl + kvo[it.b], it.s0, it.g0, it.g1, p, part); break;
-          CASE(2) CASE(4) CASE(8) CASE(16)
-#undef CASE
-          default: attend_segment<0>(qp + t0 * H * hd, n, vis.data() + t0, H, KVH, hd, kp, vp, sl + kvo[it.b], it.s0, it.g0, it.g1, p, part); break;
+        auto segment = [&]<int N>() {
+          attend_segment<N>(qp + t0 * H * hd, n, vis.data() + t0, H, KVH, hd, kp, vp, sl + kvo[it.b], it.s0, it.g0,
+                            it.g1, p, part);
+        };
+        switch (V) {  // hd / 16 as a template argument where it is a common one
+          case 2: segment.template operator()<2>(); break;
+          case 4: segment.template operator()<4>(); break;
+          case 8: segment.template operator()<8>(); break;
+          case 16: segment.template operator()<16>(); break;
+          default: segment.template operator()<0>(); break;
         }
       }
     });
@@ -341,7 +345,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch:
           const float w = _mm512_cvtss_f32(int8k::exp16(_mm512_set1_ps(pm[at(s)] - top)));
           total = total + pl[at(s)] * w;
           const float* os = po.get() + at(s) * hd;
-          for (int64_t v = 0; v < V; ++v) o[v] = _mm512_add_ps(o[v], _mm512_mul_ps(_mm512_loadu_ps(os + 16 * v), _mm512_set1_ps(w)));
+          const __m512 wv = _mm512_set1_ps(w);
+          for (int64_t v = 0; v < V; ++v) o[v] = _mm512_add_ps(o[v], _mm512_mul_ps(_mm512_loadu_ps(os + 16 * v), wv));
         }
         const __m512 inv = _mm512_set1_ps(1.f / total);
         float* dst = op + (t * H + j) * hd;

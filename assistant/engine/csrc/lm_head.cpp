@@ -126,7 +126,8 @@ void estimate(const Screen& sc, const int32_t* acc, const float* sum_q, const fl
       if (!keep) continue;
       const size_t at = f.v.size();
       f.v.resize(at + 16), f.est.resize(at + 16);
-      _mm512_mask_compressstoreu_epi32(f.v.data() + at, keep, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(col)), lane));
+      const __m512i ids = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(col)), lane);
+      _mm512_mask_compressstoreu_epi32(f.v.data() + at, keep, ids);
       _mm512_mask_compressstoreu_ps(f.est.data() + at, keep, est[j]);
       f.v.resize(at + __builtin_popcount(keep)), f.est.resize(at + __builtin_popcount(keep));
     }
@@ -239,7 +240,8 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
     for (int64_t c = c0; c < c1; ++c) {
       const auto [i, v] = cand[c];
       const int8_t* row = wp + static_cast<int64_t>(v) * K;
-      const int32_t a0 = dot_row(row, q.data() + i * Kx, K, corr_q[i]), a1 = dot_row(row, r.data() + i * Kx, K, corr_r[i]);
+      const int32_t a0 = dot_row(row, q.data() + i * Kx, K, corr_q[i]);
+      const int32_t a1 = dot_row(row, r.data() + i * Kx, K, corr_r[i]);
       op[i * N + v] = int8k::epilogue1(a0, a1, wsp[v], s[i], bp ? bp + v : nullptr);
     }
   });
