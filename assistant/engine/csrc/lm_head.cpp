@@ -12,9 +12,10 @@
 //   3. keeps every token whose estimate could still be the maximum: with sigma_v = |q|_2 * std(l_v) (the
 //      error's standard deviation if the low nibbles are uncorrelated with q), token v is a candidate when
 //        ws_v (est_v + Z sigma_v)  >=  max_u ws_u (est_u - Z sigma_u);
-//      While streaming, each thread keeps per row only the tokens whose upper bound reaches the largest lower
-//      bound it has seen so far (a superset: that bound never exceeds the row's final one), with their
-//      estimates; once every bound is in, those are filtered against the final one. No estimate is stored for
+//      While streaming, each chunk of the vocabulary keeps per row only the tokens whose upper bound reaches
+//      the largest lower bound seen so far (its own, and those of the chunks merged before it started: a
+//      superset, since that bound never exceeds the row's final one), with their estimates; the chunks merge
+//      under a lock, and once every bound is in, the candidates are filtered against the final one. No estimate is stored for
 //      the whole vocabulary (a 16-row step wrote, re-read and rewrote 9.7 MB, and scanned it on one thread:
 //      ~0.2 ms a row);
 //   4. computes the candidates' logits exactly from the row-major int8 head (a0, a1 over q and r, the same
@@ -29,6 +30,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "int8_common.h"
@@ -83,9 +85,9 @@ void screen_chunk(const uint8_t* w, const int32_t* xb, int64_t K4, int64_t k0, i
     for (int j = 0; j < 4; ++j) _mm512_storeu_si512(acc + r * BLOCK + 16 * j, a[r][j]);
 }
 
-// One participant's candidates of one row so far: token ids with their estimates est_v * ws_v, and the largest lower
-// bound ws_u (est_u - zq sigma_u) it has seen (at most the row's final floor, so it keeps a superset of the final
-// candidates; head_greedy filters them once every bound is in).
+// One row's candidates so far (of one chunk of the vocabulary, or merged): token ids with their estimates
+// est_v * ws_v, and the largest lower bound ws_u (est_u - zq sigma_u) seen (at most the row's final floor, so it
+// keeps a superset of the final candidates; head_greedy filters them once every bound is in).
 struct Found {
   std::vector<int32_t> v;
   std::vector<float> est;
@@ -189,15 +191,17 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
   const Screen sc{packed.data_ptr<uint8_t>(), mean.data_ptr<float>(), ws.data_ptr<float>(), margin.data_ptr<float>(),
                   K4, N};
   // one stream over the 4-bit copy for every row: per block, tiles of TILE_ROWS rows over chunks of its K
-  const int threads = int8k::pool().threads();
-  std::vector<Found> found(static_cast<size_t>(threads) * n);  // per participant slot, per row
+  std::vector<Found> found(n);  // every row's candidates and floor, merged from the chunks under `merge`
+  std::mutex merge;
   const int64_t chunk = n <= int8k::TILE_ROWS ? K4 : CHUNK;
   const int tiles = static_cast<int>((n + int8k::TILE_ROWS - 1) / int8k::TILE_ROWS);
   int8k::parallel_for(0, packed.size(0), 1, [&](int64_t b0, int64_t b1) {
-    // a participant's own candidates and bounds; a pool grown since `threads` was read (only a resize mid-call)
-    // shares the last slot, which can only lose a bound: more candidates, never a missed argmax
-    const int slot = std::min(int8k::Pool::index(), threads - 1);
-    Found* mine = found.data() + static_cast<size_t>(slot) * n;
+    // a chunk's own candidates, starting from the floors merged so far (a later chunk prunes harder)
+    std::vector<Found> mine(n);
+    {
+      std::lock_guard<std::mutex> lock(merge);
+      for (int64_t i = 0; i < n; ++i) mine[i].floor = found[i].floor;
+    }
     std::vector<int32_t> acc(n * BLOCK);
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* wb = sc.packed + b * K4 * NIBBLE_BYTES;
@@ -213,23 +217,25 @@ std::vector<torch::Tensor> head_greedy(torch::Tensor x, torch::Tensor packed, to
       }
       int8k::for_each_tile(n, [&](int64_t r0, int64_t R) {
         int8k::dispatch_rows(R, [&]<int T>() {
-          estimate<T>(sc, acc.data() + r0 * BLOCK, sum_q.data() + r0, zq.data() + r0, mine + r0, b);
+          estimate<T>(sc, acc.data() + r0 * BLOCK, sum_q.data() + r0, zq.data() + r0, mine.data() + r0, b);
         });
       });
     }
+    std::lock_guard<std::mutex> lock(merge);
+    for (int64_t i = 0; i < n; ++i) {
+      found[i].floor = std::max(found[i].floor, mine[i].floor);
+      found[i].v.insert(found[i].v.end(), mine[i].v.begin(), mine[i].v.end());
+      found[i].est.insert(found[i].est.end(), mine[i].est.begin(), mine[i].est.end());
+    }
   });
-  // the candidates: upper bound est + zq sigma >= the row's floor (the largest lower bound of all participants)
+  // the candidates: upper bound est + zq sigma >= the row's floor (the largest lower bound of all chunks)
   auto counts = torch::zeros({n}, x.options().dtype(torch::kLong));
   int64_t* cp = counts.data_ptr<int64_t>();
   std::vector<std::pair<int64_t, int32_t>> cand;  // (row, token)
   for (int64_t i = 0; i < n; ++i) {
-    float floor = -INFINITY;
-    for (int t = 0; t < threads; ++t) floor = std::max(floor, found[static_cast<size_t>(t) * n + i].floor);
-    for (int t = 0; t < threads; ++t) {
-      const Found& f = found[static_cast<size_t>(t) * n + i];
-      for (size_t c = 0; c < f.v.size(); ++c)
-        if (f.est[c] + zq[i] * sc.margin[f.v[c]] >= floor) cand.emplace_back(i, f.v[c]), ++cp[i];
-    }
+    const Found& f = found[i];
+    for (size_t c = 0; c < f.v.size(); ++c)
+      if (f.est[c] + zq[i] * sc.margin[f.v[c]] >= f.floor) cand.emplace_back(i, f.v[c]), ++cp[i];
   }
   // every other logit is -inf; the candidates' exact logits (the same epilogue as `linear`)
   int8k::parallel_for(0, n * N, 1 << 15, [&](int64_t e0, int64_t e1) { std::fill(op + e0, op + e1, -INFINITY); });

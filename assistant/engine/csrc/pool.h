@@ -17,7 +17,7 @@
 //     the job only after its claim succeeded, and the job cannot end before that chunk is done.
 //   * About four chunks per thread: a worker the OS has preempted delays the job by at most the chunk it holds, and
 //     the others take the rest. Which thread runs a chunk never changes a result (every kernel writes disjoint
-//     outputs; the screened head merges per-participant bounds with max).
+//     outputs; the screened head merges its chunks' candidates under a lock, in any order).
 //   * Between jobs a worker spins for SPIN_US (pausing, and yielding to any other runnable thread), then sleeps on a
 //     condition variable; a decode step's jobs come microseconds apart, so a step pays no wake-ups.
 #pragma once
@@ -66,7 +66,7 @@ class Pool {
     for (auto& w : workers_) w.join();
     workers_.clear();
     stop_.store(false);
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { work(i); });
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { work(); });
     threads_.store(n);
   }
 
@@ -79,12 +79,6 @@ class Pool {
     new (&wake_) std::condition_variable();
     sleeping_.store(0);
     threads_.store(1);
-  }
-
-  // This thread's participant index within the running job (0: the caller, or no job).
-  static int& index() {
-    thread_local int i = 0;
-    return i;
   }
 
   // Whether this thread is running a chunk (a parallel_for inside it runs serially).
@@ -116,7 +110,7 @@ class Pool {
       std::lock_guard<std::mutex> lock(sleep_);
       wake_.notify_all();
     }
-    run_chunks(0);
+    run_chunks();
     for (int spins = 1; done_.load(std::memory_order_acquire) < chunks; ++spins) {
       _mm_pause();
       if ((spins & 63) == 0) std::this_thread::yield();  // a preempted worker holding a chunk may need this core
@@ -136,8 +130,8 @@ class Pool {
     (*static_cast<const F*>(f))(b, e);
   }
 
-  // Claim and run chunks of the published job until none is left; `me` is this thread's participant index.
-  void run_chunks(int me) {
+  // Claim and run chunks of the published job until none is left.
+  void run_chunks() {
     uint64_t t = ticket_.load(std::memory_order_acquire);
     while (true) {
       const uint64_t chunks = (t >> 20) & 0xFFFFF, next = t & 0xFFFFF;
@@ -145,7 +139,6 @@ class Pool {
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       const Job j = job_;  // ours until our chunk is counted done
       const int64_t b = j.begin + static_cast<int64_t>(next) * j.per_chunk, e = std::min(j.end, b + j.per_chunk);
-      index() = me;
       inside() = true;
       try {
         if (b < e) j.call(j.f, b, e);
@@ -153,14 +146,13 @@ class Pool {
         std::lock_guard<std::mutex> lock(sleep_);
         if (!error_) error_ = std::current_exception();
       }
-      index() = 0;
       inside() = false;
       done_.fetch_add(1, std::memory_order_acq_rel);
       t = ticket_.load(std::memory_order_acquire);
     }
   }
 
-  void work(int me) {
+  void work() {
     uint64_t seen = ticket_.load(std::memory_order_acquire) >> 40;
     while (true) {
       auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
@@ -181,7 +173,7 @@ class Pool {
         _mm_pause();
       }
       seen = ticket_.load(std::memory_order_acquire) >> 40;
-      run_chunks(me);
+      run_chunks();
     }
   }
 
