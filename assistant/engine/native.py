@@ -66,7 +66,7 @@ Profiled again on 2026-11-29 (each op timed in the layer loop, 0.5B, rows of the
 of context): an 8-row step spent 8.3 ms in gate_up (5.4 at 1 row), 5.1 in down (3.0), 2.8 in qkv and o (1.8),
 4.8 in attention (1.0) and 6.7 in the screened head (2.1). Two of them changed. The head scanned an estimate
 of every token for its candidates on one thread (~0.2 ms a row) after writing them all (9.7 MB at 16 rows);
-lm_head.cpp now keeps each thread's candidates as it streams (its design note): head 6.4 -> 5.6 ms at 8 rows,
+lm_head.cpp now keeps each chunk's candidates as it streams (its design note): head 6.4 -> 5.6 ms at 8 rows,
 13.9 -> 10.5 at 16 (step-curve A/B, three alternating process pairs). Attention read half of every key's
 cache record per item (a key's kv heads sit side by side; reading 256 of every 512 bytes runs at half the
 useful bytes per second of a sequential read here, 10.3 vs 21.8 GB/s on one thread) and the paged 8 KB
