@@ -71,6 +71,7 @@ sandbox: venv
 bench: setup
 	$(BIN)/python bench/engine_baseline.py
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/attention.py
 	$(BIN)/python bench/ingest.py
 	$(BIN)/python bench/sandbox.py
 	$(BIN)/python bench/speech.py

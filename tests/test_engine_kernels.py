@@ -270,13 +270,17 @@ def test_screened_greedy_head_keeps_exactly_the_tokens_its_rule_keeps(rows, monk
     design note), however the vocabulary is split over threads and register tiles: computed here in float64
     from the int8 weights, they must be the kernel's finite logits (bar a token within rounding of the floor)."""
     torch.manual_seed(8)
-    native.set_threads(2)
     weight = torch.randn(20000, 64) * 0.05
     int8 = make_linear(weight, None, "native", monkeypatch)
     int8.prepare_greedy()
     x = torch.randn(rows, 64)
     x[rows - 1] = weight[1234] * 40  # a peaked row (the only one when rows == 1) keeps few tokens
-    got = int8.greedy_logits(x, torch.ones(rows, dtype=torch.bool))
+    before = native.int8_kernels().threads()
+    native.int8_kernels().set_threads(2)  # the vocabulary in several chunks, merged
+    try:
+        got = int8.greedy_logits(x, torch.ones(rows, dtype=torch.bool))
+    finally:
+        native.int8_kernels().set_threads(before)
     w = int8.weight.to(torch.int64)
     h, low = w >> 4, (w & 15).double()
     scale = (x.abs().amax(1, keepdim=True).clamp_min(1e-8) / 127).double()
