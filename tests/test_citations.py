@@ -288,3 +288,17 @@ def test_specific_terms_name_one_thing():
     assert specific_terms("Which PRAGMA sets mime.cache, asn1_der_coding and --verbose in 'New in this release'?") == \
         ["New in this release", "PRAGMA", "mime.cache", "asn1_der_coding", "--verbose"]
     assert specific_terms("Is -5 below x2?") == ["x2"]
+
+
+def test_a_follow_up_gets_one_passage_more():
+    # a follow-up is searched with the question before it, so its hits are shared between two topics
+    from tools.retrieval import DocumentPrefetch, RetrieverHandle
+
+    pages = [f"The Zephyr X2 filter note {i}: replace the filter and the warranty card." for i in range(8)]
+    retriever = Measured({"/docs/zephyr_manual.pdf": pages}, {"filter": 0.7, "warranty": 0.7})
+    prefetch = DocumentPrefetch(RetrieverHandle(lambda: retriever), k=3)
+    alone = prefetch("When do I replace the filter?", SourceLedger())
+    follow = prefetch("And the warranty card?", SourceLedger(), ["When do I replace the filter?"])
+    assert len(alone.passages) == 3 and len(follow.passages) == 4
+    fresh = prefetch("How long is the warranty card valid?", SourceLedger(), ["When do I replace the filter?"])
+    assert len(fresh.passages) == 3  # history alone does not make a question a follow-up
