@@ -461,8 +461,10 @@ class DocumentPrefetch:
         one passage more (`FOLLOW_UP_EXTRA`): its query is the earlier question and the new one together,
         so its hits are shared between two topics. On the nine dev follow-ups (2026-11-29) 5 -> 7 right
         by the scorer: "And the first Tuesday in October of this year?" found its example, and "Which of
-        those had the glob system...?" got "GNOME and KDE" (KDE, with a wrong one beside it); asking every question with
-        five passages instead lost more than it won (27 against 28 of 37 dev questions, 3 lost).
+        those had the glob system...?" got "GNOME and KDE" (KDE, with a wrong one beside it). On the
+        held-out test part's follow-up and two-hop questions it changed no score (15 of 21 either way)
+        and cost two wrong-page citations. Five passages for every question lost more than they won
+        (27 against 28 of 37 dev questions).
 
     Design note — is the question about the documents at all? Before any of that, a question that is
     not gets nothing ("nothing relevant"; the search tool stays offered). Sharing a content word is no
