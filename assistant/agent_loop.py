@@ -50,7 +50,6 @@ from assistant.counting import (LIST_ITEMS, MAX_ITEMS, MIN_LISTED, count_answer,
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.grounding import restates, says_anything
-from assistant.quoting import QuoteFilter
 from assistant.routing import Router
 from assistant.seams import InputGuard, StreamTransformer, close_if_closable
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
@@ -247,7 +246,6 @@ class AgentLoop:
             prompted = {**user, "content": FOLLOWS.format(question=user["content"], earlier=history[-1])}
         # a document answer stops after two sentences; a summary or comparison of whole files does not
         limit = self.options.answer_sentences if context and getattr(found, "tool", "") != "read_document" else 0
-        quote_first = bool(limit) and self.config.retrieval.quote_first  # a fact's answer, not a summary
         steps: list[Message] = []
         repairs_left, offer_tools = self.options.max_repairs, bool(tools)
         seen_calls: set[str] = set()
@@ -258,7 +256,7 @@ class AgentLoop:
             wrap_up = [again] if again else [FINAL_ANSWER] if steps and not offered else []  # ask for the answer
             plan = fit_prompt(
                 PromptParts({"role": "system", "content": self.config.system_prompt}, prompted, chat, memory,
-                            context, steps + wrap_up, [t.spec() for t in offered], quote_first),
+                            context, steps + wrap_up, [t.spec() for t in offered]),
                 count_tokens=self.router.small.count_tokens, context_window=self.router.context_window,
                 reserve=params.max_tokens, summarize=self.summarize if self.options.summarize_overflow else None)
             if plan.num_summarised:  # later steps of this turn start from the new memory
@@ -281,12 +279,10 @@ class AgentLoop:
                 begin()
             splitter = ToolCallSplitter([t.name for t in offered])
             cap = SentenceCap(limit)
-            quoted = QuoteFilter() if quote_first else None
-            shown = quoted.feed if quoted else (lambda text: text)
             last_flush, call_start = time.monotonic(), len(emitter.said)
             for delta in stream:
                 turn.track(delta)
-                yield from emitter.emit(cap.feed(shown(splitter.feed(delta.text))))
+                yield from emitter.emit(cap.feed(splitter.feed(delta.text)))
                 if cap.done:
                     if not delta.finish_reason:  # still generating: stop it; the engine frees the request
                         close_if_closable(stream)
@@ -296,7 +292,6 @@ class AgentLoop:
                     flush(turn.text)
                     last_flush = time.monotonic()
             reply, rest = splitter.finish()
-            rest = shown(rest) + (quoted.finish() if quoted else "")
             yield from emitter.emit(cap.feed(rest) + cap.finish())
             if turn.finish == "cancelled":
                 break

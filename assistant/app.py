@@ -208,11 +208,10 @@ class Assistant:
     def prompt_texts(self) -> list[str]:
         """Every fixed text the model is shown besides the user's: the system prompt, the tools'
         descriptions and the instructions the turn adds. An answer that repeats any of them leaked it."""
-        from assistant import agent_loop, context, quoting
+        from assistant import agent_loop, context
 
         tools = [t.description for t in self.orchestrator.tools.enabled(None)]
-        instructions = [context.context_message(["{passages}"])["content"], quoting.QUOTE_INSTRUCTION,
-                        agent_loop.FINAL_ANSWER["content"],
+        instructions = [context.context_message(["{passages}"])["content"], agent_loop.FINAL_ANSWER["content"],
                         agent_loop.IN_WORDS["content"], agent_loop.NAME_IT, agent_loop.REPEATED_CALL,
                         agent_loop.UNTRUSTED]
         return [self.config.system_prompt, *tools, *instructions]

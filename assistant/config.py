@@ -172,7 +172,6 @@ class RetrievalConfig:
     embed_threads: int = 0  # torch threads for `assistant ingest`/`eval`; 0 = the idle cores (max 4); `serve` keeps the engine's
     search_threads: int = 1  # Qdrant Edge search threads (one is fastest for single small queries)
     ocr_languages: str = "eng"  # Tesseract languages, e.g. "eng+deu" (apt-get install tesseract-ocr-deu)
-    quote_first: bool = False  # a document answer first copies the sentence holding it, unseen (assistant/quoting.py)
 
 
 @dataclass(frozen=True)

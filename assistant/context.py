@@ -32,7 +32,6 @@ from typing import Callable, Sequence
 
 from assistant.engine.base import Message
 from assistant.errors import EngineError
-from assistant.quoting import QUOTE_INSTRUCTION
 
 MAX_MEMORY_TOKENS = 160  # answer budget of one summary of dropped turns
 CUT_TOOL_OUTPUT = "(output removed to fit the context window)"
@@ -50,7 +49,6 @@ class PromptParts:
     context: Sequence[str] = ()  # rendered retrieved passages, best first
     steps: Sequence[Message] = ()  # this turn's tool calls and results
     tools: Sequence[dict] = ()  # tool specs offered this step
-    quote_first: bool = False  # the passages' instruction asks for the quote, then the answer (assistant/quoting.py)
 
 
 @dataclass(frozen=True)
@@ -88,12 +86,10 @@ def passages_block(passages: Sequence[str]) -> str:
     return "Passages from the user's documents:\n" + "\n".join(passages)
 
 
-def context_message(passages: Sequence[str], quote_first: bool = False) -> Message:
+def context_message(passages: Sequence[str]) -> Message:
     # No example answer here: the 0.5B model copied "The device weighs 2 kg [2]." into 5 of 30 answers
     # when it was unsure. Asking for full sentences matters as much: told only to "write the number of
     # its passage after the fact", it answered with the marker alone ("[1]") on 21 of 60 dev questions.
-    if quote_first:
-        return {"role": "system", "content": passages_block(passages) + "\n\n" + QUOTE_INSTRUCTION}
     return {"role": "system", "content": (
         passages_block(passages) + "\n\nAnswer the user's question in one or "
         "two full sentences, using only these passages, with names and values written exactly as in the passages. "
@@ -108,7 +104,7 @@ def layout(parts: PromptParts) -> list[Message]:
         messages.append(memory_message(parts.memory))
     messages.extend(parts.history)
     if parts.context:
-        messages.append(context_message(parts.context, parts.quote_first))
+        messages.append(context_message(parts.context))
     messages.append(parts.user)
     messages.extend(parts.steps)
     return messages
@@ -131,8 +127,7 @@ def fit_prompt(
     dropped: list[Message] = []
 
     def measure() -> tuple[list[Message], int]:
-        current = PromptParts(parts.system, parts.user, [m for t in turns for m in t], memory, context, steps,
-                              parts.tools, parts.quote_first)
+        current = PromptParts(parts.system, parts.user, [m for t in turns for m in t], memory, context, steps, parts.tools)
         messages = layout(current)
         return messages, count_tokens(messages, tools=tools)
 
@@ -197,7 +192,7 @@ def _breakdown(parts: PromptParts, memory: str, turns: list[list[Message]], cont
         "tools": max(0, count_tokens([parts.system], tools=list(parts.tools)) - system) if parts.tools else 0,
         "memory": after_system([memory_message(memory)]) if memory else 0,
         "history": after_system([m for t in turns for m in t]),
-        "retrieved": after_system([context_message(context, parts.quote_first)]) if context else 0,
+        "retrieved": after_system([context_message(context)]) if context else 0,
         "user": after_system([parts.user]),
         "tool_steps": after_system(steps),
     }
