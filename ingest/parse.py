@@ -283,13 +283,16 @@ def markdown_headings(text: str) -> list[tuple[int, str]]:
 
 
 _BLOCK_TAGS = {"p", "div", "section", "article", "header", "footer", "li", "ul", "ol", "table", "tr",
-               "pre", "blockquote", "br", "hr", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "title"}
+               "pre", "blockquote", "br", "hr", "dl", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "title"}
 _SKIP_TAGS = {"script", "style", "noscript", "template", "svg"}
 
 
 class _HTMLText(HTMLParser):
     """Visible text, with the structure a reader (and the counter in assistant/counting.py) needs:
-    list items start with "- " or "1. ", table rows read "| a | b |" with a rule under a header row."""
+    list items start with "- " or "1. ", table rows read "| a | b |" with a rule under a header row, and
+    a definition list's entries read "- term: definition", one per line (DocBook manuals list options,
+    variables and placeholders so: Ninja's ten NINJA_STATUS placeholders had been ten lone terms, each
+    with its definition as a paragraph of its own, which nothing could count)."""
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
@@ -303,10 +306,21 @@ class _HTMLText(HTMLParser):
         self._cells = 0  # cells so far in the open row
         self._header_row = True  # every cell of the open row is a <th>
         self._in_cell = 0
+        self._in_dd = 0  # inside a definition: it stays on its term's line
 
     def _emit(self, s: str) -> None:
         self.parts.append(s)
         self.length += len(s)
+
+    def _trim(self) -> None:
+        """Drop the spaces the text so far ends with."""
+        while self.parts and self.parts[-1].endswith(" "):
+            kept = self.parts[-1].rstrip(" ")
+            self.length -= len(self.parts[-1]) - len(kept)
+            self.parts[-1] = kept
+            if kept:
+                break
+            self.parts.pop()
 
     def handle_starttag(self, tag, attrs):
         if tag in _SKIP_TAGS:
@@ -318,8 +332,14 @@ class _HTMLText(HTMLParser):
             self._cells += 1
             self._header_row &= tag == "th"
             self._in_cell += 1
-        elif self._in_cell and tag in _BLOCK_TAGS:
-            self._emit(" ")  # a paragraph inside a cell stays on the row's line
+        elif (self._in_cell or self._in_dd) and tag in _BLOCK_TAGS and tag != "dd":
+            self._emit(" ")  # a paragraph inside a cell stays on the row's line, inside a definition on its term's
+        elif tag == "dt":
+            self._emit("\n- ")
+        elif tag == "dd":
+            self._trim()
+            self._emit(": ")
+            self._in_dd += 1
         elif tag in _BLOCK_TAGS:
             if tag == "table":
                 self._rows.append(0)
@@ -342,7 +362,11 @@ class _HTMLText(HTMLParser):
             return
         elif tag in ("td", "th") and self._in_cell:
             self._in_cell -= 1
-        elif self._in_cell and tag in _BLOCK_TAGS:
+        elif tag == "dd" and self._in_dd:
+            self._in_dd -= 1
+        elif tag == "dt":
+            return  # its definition follows on the same line
+        elif (self._in_cell or self._in_dd) and tag in _BLOCK_TAGS:
             self._emit(" ")
         elif tag in _BLOCK_TAGS:
             if tag.startswith("h") and tag[1:].isdigit() and self._heading_start is not None:

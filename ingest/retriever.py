@@ -251,8 +251,11 @@ class Retriever:
     def section(self, hit: Hit, max_chars: int = 8000) -> list[PageText]:
         """The text of the section `hit` lies in, as page slices in order: the run of the document's
         chunks (in chunk order) that carry the hit's heading and include the hit, from the first one's
-        start to the last one's end, at most `max_chars` (the hit's own page slice when the document has
-        no headings there). For whole-section questions: "how many options…", "list every…"."""
+        start to the next section's heading (the last one's end when that is not in it), at most
+        `max_chars` (the hit's own page slice when the document has no headings there). For
+        whole-section questions: "how many options…", "list every…". A section that ran on to its
+        chunk's end had read the first four of the ten placeholders the next section lists, and the
+        count was four."""
         chunks = self._chunks(hit.doc_id)
         at = next((i for i, c in enumerate(chunks) if c["page"] == hit.page and c["start_char"] == hit.start_char), None)
         if at is None or not hit.heading:
@@ -271,6 +274,8 @@ class Retriever:
                 if 0 <= at_heading < before["end_char"]:
                     first = {"page": before["page"], "start_char": at_heading}
         pages = {p.page: p for p in self.read(hit.doc_id, list(range(first["page"], last["page"] + 1)))}
+        if at is not None and hit.heading and hi + 1 < len(chunks) and last["page"] in pages:
+            last = {**last, "end_char": _next_heading_at(pages[last["page"]].text, last, chunks[hi + 1])}
         out: list[PageText] = []
         left = max_chars
         for number in sorted(pages):
@@ -363,3 +368,17 @@ def _is_row(page: str, at: int) -> bool:
 def hit_from_payload(point_id: str, score: float, p: dict[str, Any]) -> Hit:
     return Hit(chunk_id=point_id, doc_id=p["doc_id"], path=p["path"], page=int(p["page"]), heading=p.get("heading", ""),
                text=p["text"], score=score, start_char=int(p.get("start_char", 0)), end_char=int(p.get("end_char", 0)))
+
+
+def _next_heading_at(text: str, last: dict, after: dict) -> int:
+    """Where the section that `after` (the chunk after a section's last chunk `last`) carries begins on
+    `last`'s page: the start of the line inside `last` that holds its heading (after Markdown's "#"
+    marks, if any); `last`'s end when no line does."""
+    heading = after.get("heading") or ""
+    at = text.find(heading, last["start_char"], last["end_char"]) if heading and heading != last.get("heading") else -1
+    while at >= 0:
+        line = text.rfind("\n", 0, at) + 1
+        if line > last["start_char"] and not text[line:at].strip("# \t"):
+            return line
+        at = text.find(heading, at + 1, last["end_char"])
+    return last["end_char"]

@@ -111,6 +111,14 @@ def test_lists_and_tables_keep_their_structure(tmp_path):
     assert "| Name | Limit |\n| --- | --- |\n| columns | 2000 |" in page.text
     assert all(page.text[o:].startswith(h) for o, h in page.headings) and len(page.headings) == 2
 
+    # a definition list (DocBook's options, variables, placeholders): one "- term: definition" line each
+    html.write_text("<p>Several placeholders are available:</p><dl><dt><span> <code>%s</code> </span></dt><dd> The "
+                    "number of\n started edges. </dd><dt><code>%%</code></dt><dd><p>A plain %</p><p>character.</p></dd>"
+                    "</dl><p>After.</p>")
+    text = parse_file(html).pages[0].text
+    assert text == ("Several placeholders are available:\n\n- %s: The number of started edges.\n"
+                    "- %%: A plain % character.\n\nAfter.")
+
     docx = pytest.importorskip("docx")
     document = docx.Document()
     document.add_heading("Rules", level=1)

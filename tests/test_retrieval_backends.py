@@ -276,3 +276,28 @@ def test_similarity_is_the_best_cosine_and_the_query_is_embedded_once(tmp_path):
     assert retriever.similarity("zebra quartz violin", {"doc_id": ["no-such-doc"]}) == 0.0
     assert embedded == ["centrifugal pump", chunk, "zebra quartz violin"]  # each query embedded once
     index.close()
+
+
+def test_a_section_ends_where_the_next_sections_heading_starts(tmp_path):
+    # the chunk that ends a section also holds the next heading and the first items of its list: read to
+    # its end, "Running" had counted four of the ten placeholders that "Environment" lists
+    embedder = HashEmbedder(DIM)
+    index = EdgeIndex(tmp_path / "edge", DIM)
+    ingester = Ingester(index, embedder, Chunker(embedder.tokenize, chunk_tokens=48, overlap_tokens=4))
+    doc = tmp_path / "manual.md"
+    placeholders = "\n".join(f"- %{c}: the number of {w} edges." for c, w in zip("stprufoce", (
+        "started", "total", "percent", "running", "remaining", "finished", "overall", "current", "elapsed")))
+    doc.write_text("# Running\n\n" + ". ".join(SENTENCES[:3]) + ".\n\n# Environment\n\nSeveral placeholders are "
+                   f"available:\n\n{placeholders}\n\n# Tools\n\n" + ". ".join(SENTENCES[3:6]) + ".\n")
+    assert [r.status for r in ingester.ingest([doc])] == ["added"]
+    retriever = Retriever(index, embedder)
+    chunks = retriever._chunks(next(iter(retriever.documents()))["doc_id"])
+    running = [c for c in chunks if c["heading"] == "Running"]
+    assert "# Environment" in running[-1]["text"]  # the case: the next heading inside the section's last chunk
+    hit = next(h for h in retriever.search(SENTENCES[0], k=8) if h.heading == "Running")
+    text = "".join(p.text for p in retriever.section(hit))
+    assert text.startswith("# Running") and SENTENCES[2] in text and "Environment" not in text
+    hit = next(h for h in retriever.search("placeholders elapsed edges", k=8) if h.heading == "Environment")
+    text = "".join(p.text for p in retriever.section(hit))
+    assert "%s: the number of started" in text and "%e: the number of elapsed" in text and "# Tools" not in text
+    index.close()
