@@ -34,6 +34,9 @@ DOCX_SUFFIXES = {".docx"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".gif", ".webp", ".pnm"}
 SUPPORTED_SUFFIXES = PDF_SUFFIXES | MARKDOWN_SUFFIXES | TEXT_SUFFIXES | HTML_SUFFIXES | DOCX_SUFFIXES | IMAGE_SUFFIXES
 
+# Bump when what a parser makes of a file changes: a document ingested by an older parser is then read
+# again on its next ingest ("updated"), not skipped as unchanged. 2: HTML definition lists as list items.
+PARSE_VERSION = 2
 MIN_TEXT_CHARS = 16  # a PDF page with fewer extracted characters is treated as a scan (OCR)
 HEADING_SIZE_RATIO = 1.15  # a line this much larger than the body font is a heading
 MAX_HEADING_CHARS = 120

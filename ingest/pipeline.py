@@ -1,7 +1,8 @@
 """Pipeline: idempotent, crash-safe ingestion of files into one collection (parse → chunk → embed → upsert).
 
 NOTE on the ledger. A document is identified by its resolved path (`doc_id` = hash of the path), and
-its content by `version` (sha256 of the bytes). The ledger is kept *in the index itself*: one `doc`
+its content by `version` (sha256 of the bytes and the parser's `PARSE_VERSION`, so that a parser that
+reads files differently re-reads the documents it had read before). The ledger is kept *in the index itself*: one `doc`
 point per document, holding the `committed` version and a `dirty` flag, so it can never disagree with
 the points it describes, on Edge or on a server. Ingesting one file is, in order:
 
@@ -34,7 +35,7 @@ from ingest.chunk import Chunk, Chunker
 from ingest.embed import Bm25Encoder, Embedder
 from ingest.errors import DocumentNotFound, IngestError
 from ingest.index_base import IndexPoint, Not, VectorIndex
-from ingest.parse import DescribeImage, is_supported, parse_file
+from ingest.parse import PARSE_VERSION, DescribeImage, is_supported, parse_file
 
 POINT_NAMESPACE = uuid.UUID("6b1d3a58-3f0e-4bb6-9a57-2f4f3c1e9d10")
 OPTIMIZE_MIN_POINTS = 20_000  # below this a plain (brute-force) Edge segment answers in a few ms anyway
@@ -187,7 +188,7 @@ class Ingester:
             abspath = path.expanduser().resolve()
             if not abspath.is_file():
                 raise IngestError("no such file" if not abspath.exists() else "not a regular file")
-            doc_id, version = doc_id_for(abspath), file_sha256(abspath)
+            doc_id, version = doc_id_for(abspath), f"{file_sha256(abspath)}.p{PARSE_VERSION}"
             old = self.record(doc_id)
             if old and old.get("committed") == version and not old.get("dirty"):
                 return FileResult(path, "unchanged", doc_id, old.get("num_pages", 0), old.get("num_chunks", 0))

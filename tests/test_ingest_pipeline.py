@@ -45,6 +45,18 @@ def test_reingest_unchanged_is_a_noop(tmp_path, ingester):
     assert ingester.index.count({"kind": "chunk"}) == first.num_chunks
 
 
+def test_a_new_parser_reads_an_unchanged_file_again(tmp_path, ingester, monkeypatch):
+    # a parser that reads files differently (ingest/parse.py PARSE_VERSION) must not leave the old reading
+    note = tmp_path / "note.md"
+    note.write_text("# Plan\n\nThe launch code word is ALPHAWOLF.\n")
+    assert ingester.ingest_file(note).status == "added"
+    assert ingester.ingest_file(note).status == "unchanged"
+    monkeypatch.setattr("ingest.pipeline.PARSE_VERSION", 999)
+    again = ingester.ingest_file(note)
+    assert again.status == "updated" and ingester.index.count({"doc_id": again.doc_id, "kind": "chunk"}) == again.num_chunks
+    assert ingester.ingest_file(note).status == "unchanged"
+
+
 def test_changed_file_replaces_its_chunks(tmp_path, ingester):
     note = tmp_path / "note.md"
     note.write_text("# Plan\n\nThe launch code word is ALPHAWOLF.\n")
