@@ -10,11 +10,13 @@ Design note — counting over a whole section:
     1. `item_lists` finds the section's lists: runs of table rows (header, rule and empty rows left
        out), bulleted or numbered items (a line ending in ":" between them starts a new list),
        command-line options, or a label line that repeats ("[Return code]", each item being the line
-       after it), each with its lead-in (the lines before its first item). Definition lists (a short
-       term line, then its description, as an HTML <dl> parses) were tried: on the dev part they
-       found NINJA_STATUS's 10 placeholders, but the passages shown held 3 of them, and Ninja's
-       variable reference, where subsection headings alternate with paragraphs like terms, became one
-       list across sections (ninja-016 lost, none won);
+       after it), each with its lead-in (the lines before its first item). An HTML definition list
+       is parsed into bulleted "- term: definition" lines at ingest (ingest/parse.py), where its
+       structure is certain. Guessing one here instead (a short term line, then its description)
+       was tried first: it found NINJA_STATUS's 10 placeholders, but the section read ended at its
+       last chunk's end and held 3 of them (it now ends at the next section's heading,
+       ingest/retriever.py `Retriever.section`), and Ninja's variable reference, where subsection
+       headings alternate with paragraphs like terms, became one list across sections;
     2. `section_items` takes the list the question counts, and only one that something names: a
        lead-in that names the counted noun ("Some subclass rules are implicit:"), a table whose first
        header names it, an option list for "options"/"flags", or, failing those, the section's
