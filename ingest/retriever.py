@@ -258,6 +258,7 @@ class Retriever:
         count was four."""
         chunks = self._chunks(hit.doc_id)
         at = next((i for i, c in enumerate(chunks) if c["page"] == hit.page and c["start_char"] == hit.start_char), None)
+        after = None  # the chunk after the section's run: the next section, whose heading ends this one
         if at is None or not hit.heading:
             first = last = {"page": hit.page, "start_char": hit.start_char, "end_char": hit.end_char}
         else:
@@ -267,6 +268,7 @@ class Retriever:
             while hi + 1 < len(chunks) and chunks[hi + 1].get("heading", "") == hit.heading:
                 hi += 1
             first, last = chunks[lo], chunks[hi]
+            after = chunks[hi + 1] if hi + 1 < len(chunks) else None
             if lo > 0:  # the chunk before the run may hold the heading and the section's first lines
                 before = chunks[lo - 1]
                 text = next(iter(self.read(hit.doc_id, [before["page"]])), None)
@@ -274,8 +276,8 @@ class Retriever:
                 if 0 <= at_heading < before["end_char"]:
                     first = {"page": before["page"], "start_char": at_heading}
         pages = {p.page: p for p in self.read(hit.doc_id, list(range(first["page"], last["page"] + 1)))}
-        if at is not None and hit.heading and hi + 1 < len(chunks) and last["page"] in pages:
-            last = {**last, "end_char": _next_heading_at(pages[last["page"]].text, last, chunks[hi + 1])}
+        if after is not None and last["page"] in pages:
+            last = {**last, "end_char": _next_heading_at(pages[last["page"]].text, last, after)}
         out: list[PageText] = []
         left = max_chars
         for number in sorted(pages):
