@@ -548,6 +548,8 @@ def build_app(assistant: Any) -> Any:
             if not cid or not title.strip():
                 return gr.skip(), gr.skip(), "Open a conversation and type its new title first."
             web.check(cid, key_id_of(request))
+            if title.strip() == assistant.conversations.get(cid).title:
+                return gr.skip(), gr.skip(), "That is already its title: type the new one in the box first."
             assistant.conversations.rename(cid, title.strip())
             radio, title_value = sidebar(cid, query, request)
             return radio, title_value, "Renamed."
@@ -627,10 +629,8 @@ def build_app(assistant: Any) -> Any:
         past.input(open_conversation, [past], [chatbot, conversation, title_box, status],
                    api_name=False).then(**refresh_branch) \
             .then(**refresh_library)
-        # the list is read again once the rename is done: twice in CI the status said "Renamed." while the
-        # sidebar kept the old title (cause not found; a second read from the store converges)
         rename.click(rename_conversation, [conversation, title_box, search], [past, title_box, status],
-                     api_name=False).then(**refresh_sidebar)
+                     api_name=False)
         delete.click(delete_conversation, [conversation, search], [past, chatbot, conversation, title_box, status],
                      api_name=False).then(**refresh_library).then(**refresh_branch)
         remove_doc.click(remove_document, [doomed, conversation], [library, doomed, status], api_name=False)
