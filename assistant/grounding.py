@@ -67,6 +67,7 @@ ORDINAL = re.compile(r"\d{1,3}(?:st|nd|rd|th)", re.I)
 ABBREVIATIONS = frozenset({"e.g", "i.e", "etc", "vs", "cf", "a.k.a"})
 MIN_RESPELL = 5  # shorter names are respelt by no one: "glob" and "globs" are two words
 TOKEN = re.compile(r"[A-Za-z0-9_][\w./+-]*")
+VERSION = re.compile(r"v?(\d+(?:\.\d+)+)")  # a version, with or without its "v"
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,14 @@ class Evidence:
         folded = fold_text(fact)
         if not folded:
             return True
-        if re.search(rf"(?<![\w]){re.escape(folded)}(?![\w])", self.text):
+        # whole words; a number is not the tail of a longer one ("11.1" of "1.11.1", "5" of "2.5"), nor a whole
+        # number the head of a decimal ("2" of "2.5"); a version may be the head of a longer one ("1.11" of "1.11.1")
+        after = r"(?![\w])" if "." in folded else r"(?![\w])(?!\.\d)"
+        if re.search(rf"(?<![\w])(?<!\d\.){re.escape(folded)}{after}", self.text):
             return True
+        version = VERSION.fullmatch(folded)
+        if version and re.search(rf"(?<![\w])(?<!\d\.)v?{re.escape(version.group(1))}(?![\w])", self.text):
+            return True  # "v1.11.1" and "1.11.1" are one version (a dev answer quoting Ninja's "v1.11.1" was refused)
         word = DIGIT_WORDS.get(folded)
         return word is not None and f" {word} " in self.text
 

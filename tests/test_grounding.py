@@ -33,6 +33,12 @@ def test_supported_facts_match_whole_words_with_folded_case_hyphens_and_number_w
     assert not ev.holds("4.1") and not ev.holds("ASN1_DECODE_FLAG")  # a part of a token is not the token
     assert Evidence(["the default weight is fifty"]).holds("50") is False  # only small numbers have words
     assert Evidence(["it takes two seconds"]).holds("2")
+    title = Evidence(["The Ninja build system v1.11.1, Aug 2022"])  # a version's "v" is notation, not a fact
+    assert title.holds("1.11.1") and title.holds("v1.11.1") and Evidence(["ninja 1.11.1"]).holds("v1.11.1")
+    assert not title.holds("11.1") and not Evidence(["uv1.11.1"]).holds("1.11.1")
+    assert title.holds("1.11")  # the release line of 1.11.1
+    assert not Evidence(["about 2.5 MB"]).holds("5") and not Evidence(["about 2.5 MB"]).holds("2")
+    assert Evidence(["version 2.5."]).holds("2.5") and Evidence(["in 2 steps."]).holds("2")
 
 
 def test_an_unsupported_answer_becomes_a_refusal_pointing_at_the_passages():
