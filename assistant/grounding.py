@@ -59,6 +59,7 @@ LEADING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][\s.]*)+(?=\
 OPENING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][ \t]*)+")
 REFUSAL = "The documents I searched do not say."
 MAX_POINTERS = 3
+MAX_DOUBLED = 400  # an answer said twice is looked for in its first 400 characters (one short sentence each time)
 DIGIT_WORDS = {digits: word for word, digits in NUMBER_WORDS.items()}  # "2" -> "two"
 EMPTY_WORDS = frozenset({"the", "a", "an", "it", "this", "is", "see"})
 # "the 4th row" says where, as "the fourth row" does: a position, not a fact (a dev answer with lz4's
@@ -180,14 +181,21 @@ def ground(answer: str, evidence: Evidence, passages: Sequence[Passage] = ()) ->
 def _without_repeats(text: str) -> str:
     """`text` without a sentence it already said (markers aside): an answer asked once more (the
     agent loop's NAME_IT) may say its first sentence again. Untouched when nothing repeats."""
+    def key(sentence: str) -> str:
+        return " ".join(MARKERS.sub(" ", fold_text(sentence)).split()).rstrip(". ")
+
+    whole = text.strip()  # said twice with no sentence end between: "X prints everything [1] X prints everything [1]"
+    for i in reversed([i for i, c in enumerate(whole[:MAX_DOUBLED]) if c == " "]):  # the last cut keeps "[1]"
+        if key(whole[:i]) and key(whole[:i]) == key(whole[i + 1:]):
+            return whole[:i]
     said: set[str] = set()
     kept, repeated = [], False
     for sentence in _sentences(text):
-        key = " ".join(MARKERS.sub(" ", fold_text(sentence)).split()).rstrip(". ")
-        if key and key in said and not sentence.lstrip().startswith(("-", "*", "|", "```")):
+        key_ = key(sentence)
+        if key_ and key_ in said and not sentence.lstrip().startswith(("-", "*", "|", "```")):
             repeated = True
             continue
-        said.add(key)
+        said.add(key_)
         kept.append(sentence.strip())
     return " ".join(kept) if repeated else text
 

@@ -244,6 +244,10 @@ def test_an_answer_that_names_nothing_the_question_does_not_restates_it():
     # an answer asked once more that says its first sentence again says it once
     again = ground("The keyword is dejagnu [1]. It enables tests. The keyword is dejagnu [2].", Evidence(["dejagnu"]))
     assert again.text == "The keyword is dejagnu [1]. It enables tests."
+    # and one with no sentence end to split at (the 1.5B model's "... everything [1]" and then the same again)
+    twice = "asn1_print_structure prints everything [1] asn1_print_structure prints everything [2]"
+    assert ground(twice, Evidence(["asn1_print_structure"])).text == "asn1_print_structure prints everything [1]"
+    assert ground("It is x [1] and it is y [1]", Evidence(["x y"])).text == "It is x [1] and it is y [1]"
 
 
 def test_an_answer_that_restates_the_question_is_asked_again_for_the_name(tmp_path):
