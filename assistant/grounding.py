@@ -59,7 +59,7 @@ LEADING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][\s.]*)+(?=\
 OPENING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][ \t]*)+")
 REFUSAL = "The documents I searched do not say."
 MAX_POINTERS = 3
-MAX_DOUBLED = 400  # an answer said twice is looked for in its first 400 characters (one short sentence each time)
+MAX_DOUBLED = 400  # an answer said twice is looked for when each half can be at most this long
 DIGIT_WORDS = {digits: word for word, digits in NUMBER_WORDS.items()}  # "2" -> "two"
 EMPTY_WORDS = frozenset({"the", "a", "an", "it", "this", "is", "see"})
 # "the 4th row" says where, as "the fourth row" does: a position, not a fact (a dev answer with lz4's
@@ -185,7 +185,8 @@ def _without_repeats(text: str) -> str:
         return " ".join(MARKERS.sub(" ", fold_text(sentence)).split()).rstrip(". ")
 
     whole = text.strip()  # said twice with no sentence end between: "X prints everything [1] X prints everything [1]"
-    for i in reversed([i for i, c in enumerate(whole[:MAX_DOUBLED]) if c == " "]):  # the last cut keeps "[1]"
+    cuts = [i for i, c in enumerate(whole) if c == " "] if len(whole) <= 2 * MAX_DOUBLED else []
+    for i in reversed(cuts):  # the last cut that halves it keeps the first half's "[1]"
         if key(whole[:i]) and key(whole[:i]) == key(whole[i + 1:]):
             return whole[:i]
     said: set[str] = set()
