@@ -136,13 +136,13 @@ class Evidence:
         if not folded:
             return True
         # whole words; a number is not the tail of a longer one ("11.1" of "1.11.1", "5" of "2.5"), nor a whole
-        # number the head of a decimal ("2" of "2.5"); a version may be the head of a longer one ("1.11" of "1.11.1")
-        after = r"(?![\w])" if "." in folded else r"(?![\w])(?!\.\d)"
-        if re.search(rf"(?<![\w])(?<!\d\.){re.escape(folded)}{after}", self.text):
-            return True
+        # number the head of a decimal ("2" of "2.5"); a version may be the head of a longer one ("1.11" of
+        # "1.11.1"), and "v1.11.1" and "1.11.1" are one version (a dev answer quoting Ninja's "v1.11.1" was refused)
         version = VERSION.fullmatch(folded)
-        if version and re.search(rf"(?<![\w])(?<!\d\.)v?{re.escape(version.group(1))}(?![\w])", self.text):
-            return True  # "v1.11.1" and "1.11.1" are one version (a dev answer quoting Ninja's "v1.11.1" was refused)
+        core = rf"v?{re.escape(version.group(1))}" if version else re.escape(folded)
+        after = r"(?![\w])" if "." in folded else r"(?![\w])(?!\.\d)"
+        if re.search(rf"(?<![\w])(?<!\d\.){core}{after}", self.text):
+            return True
         word = DIGIT_WORDS.get(folded)
         return word is not None and f" {word} " in self.text
 
