@@ -9,6 +9,12 @@ unanswerable items have no must_contain and no pages, and each split covers ever
 
 Run from the repository root:  PYTHONPATH=. python eval/rag/check.py
 Prints a summary table and exits 0 only when everything holds; otherwise lists every problem, exit 1.
+
+`--audit` lists, for a person to judge, the pages *outside* each answerable item's labels that may hold
+its answer too: a 400-character window where every must_contain entry occurs with at least half (and at
+least two) of the question's content words. A page joins the labels only when it states the answer the
+question asks for (a table of contents, an index, an example that uses the value or a similar fact about
+another thing does not); README.md says when this was last done.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ COUNTED: dict[str, list[str]] = {
                     "8. ~/.dejagnurc is now loaded last", "9. The user-visible utility procedure unsetenv"],
     "dejagnu-017": ["can use ssh,", " rsh,", " rlogin,", " telnet,", " tip,", " and kermit for remote communications"],
     "ninja-015": ["Explicit dependencies, as listed", "Implicit dependencies, either as picked up", "Order-only dependencies, expressed"],
-    "ninja-016": ["builddir a directory for some Ninja output files", "ninja_required_version the minimum version of Ninja required"],
+    "ninja-016": ["builddir: a directory for some Ninja output files", "ninja_required_version: the minimum version of Ninja required"],
     "sqldate-011": ["date(time-value, modifier", "\ntime(time-value, modifier", "datetime(time-value, modifier",
                     "julianday(time-value, modifier", "unixepoch(time-value, modifier", "strftime(format, time-value, modifier"],
     "sqldate-012": ["NNN days", "NNN hours", "NNN minutes", "NNN.NNNN seconds", "NNN months", "NNN years", "start of month \n",
@@ -247,7 +253,38 @@ def check_count(item: dict, value: int, texts: list[str], problems: list[str]) -
             problems.append(f"{where}: counted member {member!r} not on pages {item['pages']}")
 
 
+def audit() -> int:
+    """Print the candidate pages outside the labels (see the module docstring); always exit 0."""
+    from assistant.citations import content_words
+
+    docs = load_docs()
+    found = 0
+    for name, path in SPLITS.items():
+        for item in load_split(path, []):
+            if item.get("kind") in ("unanswerable", "count") or not item.get("must_contain"):
+                continue
+            entries = [alternatives(e) or [] for e in item["must_contain"]]
+            terms = content_words(item["question"])
+            for doc in item["docs"]:
+                for page, text in docs.get(doc, {}).items():
+                    if page in item["pages"]:
+                        continue
+                    windows = [text[i:i + 400] for i in range(0, max(1, len(text) - 200), 100)]
+                    held = [(len(terms & content_words(w)), w) for w in windows
+                            if all(any(a.lower() in w for a in alts) for alts in entries)]
+                    held = [h for h in held if h[0] >= max(2, len(terms) // 2)]
+                    if held:
+                        found += 1
+                        shared, window = max(held)
+                        print(f"== {name} {item['id']} labels {item['pages']}, candidate {doc} page {page} "
+                              f"({shared} question words)\n Q: {item['question']}\n   {window}\n")
+    print(f"{found} candidate page(s) to judge")
+    return 0
+
+
 def main() -> int:
+    if "--audit" in sys.argv[1:]:
+        return audit()
     problems: list[str] = []
     docs = load_docs()
     splits = {name: load_split(path, problems) for name, path in SPLITS.items()}
