@@ -22,6 +22,9 @@ Design note — a citation is only as good as the evidence behind it:
     closes no claim (the 1.5B model ends one answer in five with such a stray number). A run after the
     full stop of a sentence without one ("… is 50. [4]") is moved before the full stop first: it cites
     that sentence.
+  * Code is not prose: a `[1]` inside a code block or inline code is no marker, nor is `x[2]` written
+    against a word; inline code stays part of its sentence (its brackets hidden while markers are
+    assigned), so "… is `-V`. [2]" is that sentence's late marker, and `-V` is one of the claim's facts.
   * A sentence without any marker that clearly reuses a passage (MIN_SHARED_WORDS content words)
     gets that passage's marker appended; such sources carry `inferred=True` in the stored meta.
   * The snippet shown with a source is the passage's sentence that best matches the claim it
@@ -40,6 +43,9 @@ MARKER = re.compile(r"\[(\d{1,3}(?:\s*,\s*\d{1,3})*)\]")
 MARKER_RUN = re.compile(r"(?<![\w)\]])(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\])+")  # not `a[1]`: that is code
 CODE = re.compile(r"```.*?(?:```|$)|`[^`\n]*`", re.S)  # fenced and inline code: markers in it are not markers
 FENCED = re.compile(r"```.*?(?:```|$)", re.S)  # a code block gets no inferred marker; a sentence with `code` may
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+HIDE_BRACKETS = {ord("["): "\ue05b", ord("]"): "\ue05d"}  # inline code's brackets while markers are assigned
+SHOW_BRACKETS = {ord(v): chr(k) for k, v in HIDE_BRACKETS.items()}
 WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'.-]*[A-Za-z0-9]|[A-Za-z0-9]")
 MIN_SHARED_WORDS = 3  # content words a claim must share with a passage to be supported by it (fewer for short claims)
 MIN_CLAIM_WORDS = 1  # a marker's claim with fewer content words ("…, see [2]") is widened to its sentence
@@ -169,7 +175,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
         out.append(prose[last:])
         return "".join(out)
 
-    text = _outside_code(_outside_code(answer, _inside_sentence), assign)
+    text = _outside_code(_outside_code(answer, _masking_code(_inside_sentence), FENCED), _masking_code(assign), FENCED)
     if dropped:
         text = re.sub(r"[ \t]+([.,;:!?])", r"\1", text)  # "fact [9]." -> "fact."
         text = re.sub(r"[ \t]{2,}", " ", text)
@@ -180,7 +186,8 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
             inferred.extend(used)
             return attributed
         text = _outside_code(text, attribute, FENCED)
-    markers = sorted({int(n) for m in MARKER.finditer(_without_code(text)) for n in m.group(1).split(",")} & set(words))
+    runs = MARKER_RUN.findall(_without_code(text))  # what assign took for markers: not `x[2]` in prose either
+    markers = sorted({int(n) for run in runs for m in MARKER.finditer(run) for n in m.group(1).split(",")} & set(words))
     sources = tuple(_source(ledger.get(n), claims.get(n, "")) for n in markers)  # type: ignore[arg-type]
     really_dropped = sorted(set(dropped) - set(markers))
     return CitationCheck(text, sources, tuple(really_dropped), tuple(sorted(set(inferred))), tuple(reassigned))
@@ -260,6 +267,17 @@ def attribute_sentences(answer: str, passages: Iterable[Passage], claims: dict[i
 
 def _without_code(text: str) -> str:
     return CODE.sub(" ", text)
+
+
+def _masking_code(edit: Callable[[str], str]) -> Callable[[str], str]:
+    """`edit` over prose whose inline code spans keep their text but not their brackets (stand-ins from
+    Unicode's private-use area, put back afterwards): a marker in code is no marker, while the sentence
+    around `code` stays one sentence and its claim keeps the code's facts ("... is `-V`. [2]" is a late
+    marker of that sentence, and `-V` says which passage supports it)."""
+    def run(prose: str) -> str:
+        masked = INLINE_CODE.sub(lambda m: m.group(0).translate(HIDE_BRACKETS), prose)
+        return edit(masked).translate(SHOW_BRACKETS)
+    return run
 
 
 def _outside_code(text: str, edit, code: re.Pattern = CODE) -> str:

@@ -124,6 +124,22 @@ def test_no_documents_means_no_retrieval_tools(tmp_path):
 def test_code_indexing_is_not_a_citation():
     check = verify_citations("Use `a[1]` or x[2] then\n```python\nb[3]\n```\nand fact [9].", _ledger())
     assert check.text == "Use `a[1]` or x[2] then\n```python\nb[3]\n```\nand fact." and check.dropped_markers == (9,)
+    assert check.sources == ()  # x[2] is not taken for a marker, so it names no source either
+
+
+def test_a_late_marker_after_inline_code_cites_its_sentence_by_the_codes_facts():
+    from assistant.grounding import facts_held
+
+    ledger = SourceLedger()
+    ledger.add("dejagnu.pdf", 14, "-V, --version Prints out the version numbers of DejaGnu, Expect, and Tcl.", "c1")
+    ledger.add("dejagnu.pdf", 6, "Expect script filenames conventionally use .exp as a suffix. The main implementation "
+               "of the DejaGnu test driver is in the file runtest.exp. New in this release: the version of Tcl.", "c2")
+    answer = "The runtest option that prints the version numbers of DejaGnu, Expect and Tcl is `-V`. [2]"
+    check = verify_citations(answer, ledger, facts=facts_held)
+    assert check.text == answer.replace("`-V`. [2]", "`-V` [1].")  # not a claim of its own, nor page 6's
+    assert [s.page for s in check.sources] == [14] and check.reassigned == ((2, 1),)
+    assert verify_citations("Call `f(a[1])`, which prints the version numbers of DejaGnu [1].", ledger).text.startswith(
+        "Call `f(a[1])`, which")  # brackets in code come back as they were
 
 
 def test_auto_retrieval_leaves_out_unrelated_hits(tmp_path):
