@@ -329,6 +329,50 @@ def unstated_count(question: str, answer: str, passages: Sequence[Passage]) -> s
     return given
 
 
+# A question about a default ("What is the default page size of a new SQLite database?") is answered by a
+# passage that says what the default is. The 1.5B model answered two unanswerable dev questions from a
+# nearby fact, "65536" (the *largest* page size) and "level 1" (zstd's README compares with it), and the
+# answer check said yes to both; every answerable dev question about a default has its answer in a
+# sentence that says so ("the default weight value is 50", "which defaults to 999", "normally set to").
+ASKS_DEFAULT = re.compile(r"\bdefault\b|\b(?:don't|do not|didn't|did not)\s+(?:specify|set|give|pass|choose)\b"
+                          r"|\bwithout\s+(?:specifying|setting|giving|passing)\b|\bif\s+I\s+(?:omit|leave\s+out)\b", re.I)
+SAYS_DEFAULT = re.compile(r"\bdefault|\bnormally\b|\bunless\b|\botherwise\b|\bomitted\b|\bnot\s+(?:specified|given|set)\b"
+                          r"|\bif\s+(?:no|none)\b|\binitially\b|\bimplicit|\bassumed?\b", re.I)
+TABLE_LINE = re.compile(r"^\s*\|")
+
+
+def unstated_default(question: str, answer: str, passages: Sequence[Passage]) -> str:
+    """The fact `answer` gives for the default a `question` asks about ("What is the default …", "… when I
+    don't specify one?") when no passage states any of the answer's facts in a sentence that speaks of a
+    default (a table row: with its header); "" otherwise, and when the answer gives no fact the question
+    does not name itself."""
+    if not ASKS_DEFAULT.search(question):
+        return ""
+    asked = Evidence([question])
+    given = [f for f in facts(answer) if not asked.holds(f)]
+    if not given:
+        return ""
+    for passage in passages:
+        for context in _default_contexts(passage.text):
+            if SAYS_DEFAULT.search(context) and any(Evidence([context]).holds(f) for f in given):
+                return ""
+    return given[0]
+
+
+def _default_contexts(text: str) -> list[str]:
+    """A passage's sentences, and each table row with its table's first line (its header: "| Option |
+    Default |")."""
+    out, header, prose = [], None, []
+    for line in text.splitlines():
+        if TABLE_LINE.match(line):
+            header = header or line
+            out.append(f"{header} {line}")
+        else:
+            header = None
+            prose.append(line)
+    return out + _sentences("\n".join(prose).replace("\n", " "))
+
+
 def not_mentioned(terms: Sequence[str], passages: Sequence[Passage]) -> str:
     """The refusal for a question about things no document mentions."""
     named = " or ".join(terms)

@@ -56,7 +56,7 @@ from assistant.errors import AssistantError, StoreError
 from assistant.events import (Done, Error, ImageDescribed, Notice, SafetyVerdict, Sources, ToolCallFinished,
                               ToolCallStarted, Transcribed, TurnEvent, TurnStarted, Usage)
 from assistant.grounding import (Evidence, facts_held, ground, mentions, not_mentioned, question_terms, refusal,
-                                 states_no_number, unstated_count)
+                                 states_no_number, unstated_count, unstated_default)
 from assistant.routing import LARGE, Router
 from assistant.seams import AllowAll, Attachment, InputGuard, NoModalities, PreStage, StreamTransformer, UserInput
 from assistant.store import Store, StoredMessage
@@ -73,6 +73,7 @@ UNMENTIONED = "The answer was withdrawn: it spoke of {terms}, which no document 
 NO_NUMBER = "The answer was withdrawn: the question asks for a version, and it gave none."
 UNSTATED_COUNT = ("The answer was withdrawn: it gave a count ({count}) that no passage states, and no list to count "
                   "was found.")
+UNSTATED_DEFAULT = "The answer was withdrawn: the question asks for a default, and no passage says {fact} is one."
 
 
 class Orchestrator:
@@ -359,6 +360,10 @@ class Orchestrator:
                     count := unstated_count(user.content, final, turn.ledger.passages)):
                 meta["unstated_count"] = count
                 why, instead = UNSTATED_COUNT.format(count=count), refusal(turn.ledger.passages)
+            elif check.sources and isinstance(user.content, str) and (
+                    fact := unstated_default(user.content, final, turn.ledger.passages)):
+                meta["unstated_default"] = fact
+                why, instead = UNSTATED_DEFAULT.format(fact=fact), refusal(turn.ledger.passages)
             if why:
                 meta.update({"grounding_refusal": True, "replaced_answer": final})
                 final = instead
