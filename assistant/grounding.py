@@ -291,12 +291,20 @@ ASKS_NUMBER = re.compile(r"\b(?:which|what)\s+(?:(?:is|was)\s+)?(?:the\s+)?(?:[\
                          r"|\bsince\s+(?:which|what)\s+(?:[\w.-]+\s+)?version\b", re.I)
 # (not "how much": "at least ASN1_MAX_TL_SIZE bytes" answers "how much space must the buffer have")
 # a number: not the digit of a name ("X2", "libidn2")
-A_NUMBER = re.compile(r"(?<![A-Za-z_])\d|\bv\d|\b(?:" + "|".join(NUMBER_WORDS) + r"|none)\b", re.I)
+A_NUMBER = re.compile(r"(?<![A-Za-z_\d])\d|\bv\d|\b(?:" + "|".join(NUMBER_WORDS) + r"|none)\b", re.I)
 
 
 def states_no_number(question: str, answer: str) -> bool:
-    """Whether `question` asks for a version and `answer` (markers aside) holds no number."""
-    return bool(ASKS_NUMBER.search(question)) and not A_NUMBER.search(MARKERS.sub(" ", answer))
+    """Whether `question` asks for a version and `answer` (markers aside) holds no number besides the
+    question's own: "Which Unicode version are libidn2's IDNA2008 tables generated from?" is not answered
+    by "… IDNA2008 tables is Unicode TR46" (a name with digits is no number either)."""
+    if not ASKS_NUMBER.search(question):
+        return False
+    text, asked = MARKERS.sub(" ", answer), Evidence([question])
+    for fact in facts(text):
+        if asked.holds(fact):
+            text = re.sub(rf"(?<![\w.]){re.escape(fact)}(?![\w])", " ", text)
+    return not A_NUMBER.search(text)
 
 
 # A count the model wrote itself ("The datatypes page lists 5 mathematical operators [1].") is a guess

@@ -197,6 +197,9 @@ def test_a_cited_answer_without_a_number_to_a_version_question_is_withdrawn(tmp_
     assert not states_no_number("Which runtest option prints the version numbers?", "The -V option [1].")
     assert not states_no_number("Since which version is it there?", "Since v2 [1].")
     assert not states_no_number("How much space must the buffer have?", "ASN1_MAX_TL_SIZE bytes [1].")
+    q = "Which Unicode version are libidn2's IDNA2008 tables generated from?"
+    assert states_no_number(q, "The Unicode version used in libidn2's IDNA2008 tables is Unicode TR46 [1].")
+    assert not states_no_number(q, "From Unicode 11.0.0, like IDNA2008's [1].")  # the question's digits aside
     assistant, _ = make_assistant(tmp_path, "The Zephyr X2 is a compact air purifier [1].",
                                   "The warranty period is 7 years [1].", retriever=FakeRetriever(MANUAL))
     done = list(assistant.turn(None, "Which firmware version does the Zephyr X2 purifier run?"))[-1]
