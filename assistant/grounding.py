@@ -357,7 +357,11 @@ def unstated_default(question: str, answer: str, passages: Sequence[Passage]) ->
     if not ASKS_DEFAULT.search(question):
         return ""
     asked = Evidence([question])
-    given = [f for f in facts(answer) if not asked.holds(f)]
+    # the facts of the sentences that state the default ("The default … is 50"), not of one that adds
+    # something ("It is available since Ninja 1.2"); all of them when no sentence says "default"
+    sentences = _sentences(MARKERS.sub(" ", answer))
+    stating = [s for s in sentences if SAYS_DEFAULT.search(s)] or sentences
+    given = [f for s in stating for f in facts(s) if not asked.holds(f)]
     if not given:
         return ""
     for passage in passages:

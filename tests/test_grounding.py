@@ -251,6 +251,9 @@ def test_a_default_no_passage_states_is_withdrawn(tmp_path):
     assert unstated_default("What is the maximum page size?", "65536 bytes [1].", shown) == ""  # no default asked
     assert unstated_default("What is the default build type?", "Release, by default [2].", shown) == ""  # no fact given
     assert unstated_default("Is 65536 the default page size?", "No: 65536 is the maximum [1].", shown) == ""  # asked
+    assert unstated_default("What is SQLITE_MAX_PAGE_COUNT by default?",  # the sentence that states the default
+                            "It is normally 1073741823 [1]. It can be lowered to 65536 [1].", shown) == ""
+    assert unstated_default("What is the default level?", "The default level is 1 [2]. SQLite has 1073741823 [1].", shown) == "1"
     assistant, _ = make_assistant(tmp_path, "The default filter life is 6 months [1].",
                                   "The default filter life is 6 months [1].", retriever=FakeRetriever(MANUAL))
     done = list(assistant.turn(None, "What is the default filter life of the Zephyr X2 HEPA filter?"))[-1]
