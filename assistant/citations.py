@@ -157,7 +157,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
                 out += [prose[last:run.start()].rstrip(" \t")]
                 last = run.end()
                 continue
-            claim = _claim(prose, last, run.start())
+            claim = _claim(prose, last, run.start()).translate(SHOW_BRACKETS)  # code's facts as written: `a[1]`
             numbers = [int(n) for m in MARKER.finditer(run.group(0)) for n in m.group(1).split(",")]
             kept: list[int] = []
             for n in numbers:

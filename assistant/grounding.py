@@ -382,7 +382,7 @@ def _default_contexts(text: str) -> list[str]:
         else:
             header = None
             prose.append(line)
-    return out + _sentences("\n".join(prose).replace("\n", " "))
+    return out + _sentences(" ".join(prose))  # a PDF wraps lines mid-sentence: "default" may be a line up
 
 
 def not_mentioned(terms: Sequence[str], passages: Sequence[Passage]) -> str:
