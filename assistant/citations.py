@@ -175,7 +175,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
         out.append(prose[last:])
         return "".join(out)
 
-    text = _outside_code(_outside_code(answer, _masking_code(_inside_sentence), FENCED), _masking_code(assign), FENCED)
+    text = _outside_code(_outside_code(answer, _masking_code(_inside_sentence)), _masking_code(assign))
     if dropped:
         text = re.sub(r"[ \t]+([.,;:!?])", r"\1", text)  # "fact [9]." -> "fact."
         text = re.sub(r"[ \t]{2,}", " ", text)
@@ -185,7 +185,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
             attributed, used = attribute_sentences(prose, ledger.passages, claims, held)
             inferred.extend(used)
             return attributed
-        text = _outside_code(text, attribute, FENCED)
+        text = _outside_code(text, attribute)
     runs = MARKER_RUN.findall(_without_code(text))  # what assign took for markers: not `x[2]` in prose either
     markers = sorted({int(n) for run in runs for m in MARKER.finditer(run) for n in m.group(1).split(",")} & set(words))
     sources = tuple(_source(ledger.get(n), claims.get(n, "")) for n in markers)  # type: ignore[arg-type]
@@ -280,9 +280,10 @@ def _masking_code(edit: Callable[[str], str]) -> Callable[[str], str]:
     return run
 
 
-def _outside_code(text: str, edit, code: re.Pattern = CODE) -> str:
+def _outside_code(text: str, edit: Callable[[str], str]) -> str:
+    """`edit` over the text between code blocks; the blocks stay as they are (inline code: _masking_code)."""
     out, last = [], 0
-    for m in code.finditer(text):
+    for m in FENCED.finditer(text):
         out += [edit(text[last:m.start()]), m.group(0)]
         last = m.end()
     out.append(edit(text[last:]))

@@ -187,7 +187,7 @@ def _without_repeats(text: str) -> str:
     whole = text.strip()  # said twice with no sentence end between: "X prints everything [1] X prints everything [1]"
     cuts = [i for i, c in enumerate(whole) if c == " "] if len(whole) <= 2 * MAX_DOUBLED else []
     for i in reversed(cuts):  # the last cut that halves it keeps the first half's "[1]"
-        if key(whole[:i]) and key(whole[:i]) == key(whole[i + 1:]):
+        if (first := key(whole[:i])) and first == key(whole[i + 1:]):
             return whole[:i]
     said: set[str] = set()
     kept, repeated = [], False

@@ -9,13 +9,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
+from tests.conftest import require_module
 
 CHECK = Path(__file__).resolve().parent.parent / "eval" / "rag" / "check.py"
 
 
 def test_every_item_is_found_on_its_pages(monkeypatch, capsys):
-    pytest.importorskip("pymupdf")
+    require_module("pymupdf", "run `make setup`: the eval set is checked with the project's own parser")
     spec = importlib.util.spec_from_file_location("rag_check", CHECK)
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
