@@ -114,6 +114,11 @@ def lead_in(lines: Sequence[str], at: int) -> str:
     return sentences[-1][-LEAD_IN_CHARS:] if sentences else ""
 
 
+def without_empty_cells(text: str) -> str:
+    """`text` (whitespace folded) with a table row's empty cells left out: "| %d | | day |" -> "| %d | day |"."""
+    return re.sub(r"\|(?: ?\|)+", "|", text)
+
+
 def item_lists(text: str) -> list[ItemList]:
     """Every list `text` (one section) holds, by item form (see the design note)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -141,8 +146,10 @@ def item_lists(text: str) -> list[ItemList]:
             labels.setdefault(line, []).append(k)
     for label, at in labels.items():
         out.append(ItemList(label, [lines[k + 1] for k in at], lead_in(lines, at[0]) + " " + label))
-    for found in out:
-        found.items = [" ".join(item.split()).strip("|").strip() for item in found.items]
+    for found in out:  # a table row's empty cells (an HTML table's spacer column) are left out: "%d | day of month"
+        rows = found.form == "table"
+        found.items = [(without_empty_cells if rows else str)(" ".join(item.split())).strip("|").strip()
+                       for item in found.items]
     return [found for found in out if len(found.items) >= MIN_ITEMS]
 
 
@@ -162,18 +169,37 @@ def section_items(text: str, noun: str = "", heading: str = "") -> list[str]:
     if noun:
         option_noun = any(stem(w) in OPTION_NOUNS for w in noun.split())
         lists = [found for found in lists if names(f"{heading} {found.lead_in}", noun)
+                 or names_plural_head(found.lead_in, noun)
                  or (found.form == "option" and option_noun)
                  or any(names(found.header, word) for word in noun.split() if len(word) > 3)]
     return max(lists, key=lambda found: len(found.items)).items if lists else []
 
 
+HEAD_WORDS = 5  # the words at a lead-in's end where it names what its list holds
+
+
+def names_plural_head(lead_in: str, noun: str) -> bool:
+    """Whether a list's lead-in names the counted noun's head word in the plural, as the question writes it:
+    "The following is a complete list of valid strftime() substitutions:" introduces what "how many format
+    substitutions" counts, though it never says "format". Only at the lead-in's end, where it says what
+    follows: "For simple types like OCTET STRING the simple parsing functions listed below may be used
+    instead." introduces functions, not "ASN.1 types". A singular is no list's name ("The full lookup order
+    for a variable is:" does not introduce "top-level variables")."""
+    words = re.findall(r"[A-Za-z][\w-]*", noun)
+    head = words[-1].lower() if words else ""
+    if len(words) < 2 or stem(head) == head:  # one word is `names`' case; a singular head names no list
+        return False
+    tail = re.findall(r"[A-Za-z][\w-]*", lead_in)[-HEAD_WORDS:]  # "... may be used instead." names no types
+    return head in (w.lower() for w in tail)
+
+
 def supported_items(items: Sequence[str], passages: Sequence[Passage]) -> list[tuple[str, int]]:
     """The items some passage contains, with that passage's marker: verbatim (whitespace- and
     case-insensitively), or every content word of the item is in the passage."""
-    flat = [(p.marker, " ".join(p.text.split()).lower(), content_words(p.text)) for p in passages]
+    flat = [(p.marker, without_empty_cells(" ".join(p.text.split()).lower()), content_words(p.text)) for p in passages]
     out: list[tuple[str, int]] = []
     for item in items:
-        needle, words = " ".join(item.split()).lower(), content_words(item)
+        needle, words = without_empty_cells(" ".join(item.split()).lower()), content_words(item)
         marker = next((m for m, text, vocab in flat if needle in text or (words and words <= vocab)), None)
         if marker is not None:
             out.append((item, marker))

@@ -191,6 +191,24 @@ def test_only_a_list_that_something_names_is_counted():
     assert section_items(limits, "of the limits") == []  # "how many of the limits can be lowered": a part
 
 
+def test_a_lead_in_that_ends_by_naming_the_plural_head_noun_names_the_list():
+    # "how many format substitutions": the lead-in never says "format", but its last words name substitutions
+    section = ("The strftime() routine returns the date formatted according to the format string.\n"
+               "The following is a complete list of valid strftime() substitutions:\n"
+               "| | | |\n| %d | | day of month: 00 |\n| %f | | fractional seconds |\n| %% | | % |\n"
+               "All other functions can be expressed in terms of strftime():\n"
+               "| Function | | Equivalent |\n| date(...) | | strftime('%Y-%m-%d', ...) |")
+    assert section_items(section, "format substitutions", "1. Overview") == [
+        "%d | day of month: 00", "%f | fractional seconds", "%% | %"]
+    # the head noun only in passing, not at the end: the lead-in introduces functions
+    simple = ("For simple types like OCTET STRING the simple parsing functions listed below may be used instead.\n"
+              "- asn1_decode_simple_der\n- asn1_encode_simple_der")
+    assert section_items(simple, "ASN.1 types", "Simple parsing") == []
+    # a singular head names no list (see the lookup order above)
+    single = "Each entry below is one substitution:\n- %d\n- %f"
+    assert section_items(single, "format substitution", "Entries") == []
+
+
 def test_a_number_out_of_sequence_starts_a_new_list():
     section = "3. Modifiers\nThe available modifiers are as follows.\n1. NNN days\n2. NNN hours\n4. Examples"
     assert section_items(section, "modifiers", "3. Modifiers") == ["NNN days", "NNN hours"]  # not the headings
@@ -255,8 +273,8 @@ def test_an_empty_first_table_row_is_neither_a_rule_nor_an_item():
     # SQLite's strftime() table parses with a row of empty cells where a header would be
     table = ("The following is a complete list of valid strftime() substitutions:\n| | | |\n"
              "| %d | | day of month: 00 |\n| %f | | fractional seconds |\n| %H | | hour: 00-24 |")
-    assert section_items(table, "substitutions") == ["%d | | day of month: 00", "%f | | fractional seconds",
-                                                     "%H | | hour: 00-24"]
+    assert section_items(table, "substitutions") == ["%d | day of month: 00", "%f | fractional seconds",
+                                                     "%H | hour: 00-24"]  # the empty spacer cells left out
 
 
 class TwoManuals(FakeRetriever):
