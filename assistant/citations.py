@@ -354,6 +354,14 @@ def names(text: str, noun: str) -> bool:
     return bool(wanted) and all(any(h.startswith(w) for h in have) for w in wanted)
 
 
+def plural_head(noun: str) -> str:
+    """The head word of a counted noun of two words or more when the question writes it in the plural
+    ("substitutions" of "format substitutions", "operators" of "mathematical operators"), else ""."""
+    words = re.findall(r"[A-Za-z][\w-]*", noun)
+    head = words[-1].lower() if len(words) >= 2 else ""
+    return head if head and stem(head) != head else ""
+
+
 # -- whether a text mentions a name (assistant/grounding.py, tools/retrieval.py) ------------------------
 
 def fold_text(text: str) -> str:

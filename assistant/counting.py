@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from assistant.citations import Passage, content_words, counted_noun, names, stem  # noqa: F401 - API here too
+from assistant.citations import Passage, content_words, counted_noun, names, plural_head, stem  # noqa: F401 - API here too
 
 BULLET = re.compile(r"^\s*(?:[-*•·]|\d{1,3}[.)](?!\d)|\(\d{1,3}\))\s*")  # not "1.3 Design goals"
 MAX_ITEMS = 60  # a listing longer than this is not a count the section supports
@@ -185,12 +185,9 @@ def names_plural_head(lead_in: str, noun: str) -> bool:
     follows: "For simple types like OCTET STRING the simple parsing functions listed below may be used
     instead." introduces functions, not "ASN.1 types". A singular is no list's name ("The full lookup order
     for a variable is:" does not introduce "top-level variables")."""
-    words = re.findall(r"[A-Za-z][\w-]*", noun)
-    head = words[-1].lower() if words else ""
-    if len(words) < 2 or stem(head) == head:  # one word is `names`' case; a singular head names no list
-        return False
+    head = plural_head(noun)  # one word is `names`' case; a singular head names no list
     tail = re.findall(r"[A-Za-z][\w-]*", lead_in)[-HEAD_WORDS:]  # "... may be used instead." names no types
-    return head in (w.lower() for w in tail)
+    return bool(head) and head in (w.lower() for w in tail)
 
 
 def supported_items(items: Sequence[str], passages: Sequence[Passage]) -> list[tuple[str, int]]:
@@ -213,7 +210,8 @@ def listed_items(text: str) -> list[str]:
     for line in text.splitlines():
         if not BULLET.match(line):
             continue
-        item = re.sub(r"\s*\[\d{1,3}\]", "", BULLET.sub("", line, count=1)).strip().rstrip(".;,").strip("`*\"' ")
+        item = re.sub(r"\s*\[\d{1,3}\]", "", BULLET.sub("", line, count=1)).strip().rstrip(".;,")
+        item = item.strip("`*\"' ") or item.strip()  # quotes and emphasis around an item, not an item "*" itself
         if item:
             out.setdefault(" ".join(item.lower().split()), item)
     return list(out.values())[:MAX_ITEMS + 1]

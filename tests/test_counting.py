@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from assistant.citations import SourceLedger
 from assistant.citations import SourceLedger, verify_citations
-from assistant.counting import count_answer, counted_noun, section_items, supported_items
+from assistant.counting import count_answer, counted_noun, listed_items, section_items, supported_items
 from tools.retrieval import DocumentPrefetch, RetrieverHandle, named_documents, named_section, retrieval_query
 
 
@@ -116,6 +116,30 @@ def test_a_counting_question_reads_the_section_whose_list_names_what_is_counted(
     assert found.arguments["section"] == "Running runtest"
 
 
+def test_a_counting_question_also_searches_its_counted_noun_in_the_best_hits_document():
+    # "How many mathematical operators does SQLite's datatypes page list?": the question's words found
+    # "Affinity Name Examples"; "mathematical operators" alone, searched in that document, finds "Operators"
+    class NounSearch(FakeRetriever):
+        def __init__(self) -> None:
+            super().__init__()
+            self.filters: list = []
+            self.hits = [Hit("c0", "d1", "/docs/t.docx", 1, "Affinity Name Examples", "The following table shows names.")]
+            self.by_noun = [Hit("c9", "d1", "/docs/t.docx", 1, "Operators", "Mathematical operators (+, -, *) work."),
+                            Hit("c8", "d2", "/docs/other.pdf", 4, "Operators", "Other operators (and, or).")]
+
+        def search(self, query, k=None, filters=None):
+            self.queries.append(query)
+            self.filters.append(filters)
+            if query != "mathematical operators":
+                return list(self.hits)
+            return [h for h in self.by_noun if filters is None or h.doc_id in filters["doc_id"]]
+
+    retriever = NounSearch()
+    found = prefetch(retriever)("How many mathematical operators does the datatypes page list?", SourceLedger())
+    assert found.arguments["section"] == "Operators" and found.arguments["document"] == "t.docx"
+    assert retriever.filters[-1] == {"doc_id": ["d1"]}  # only in the best hit's document
+
+
 def test_the_section_path_reads_only_inside_the_turns_scope():
     retriever = FakeRetriever()
     question = "How many codes does the Return Codes section list?"
@@ -207,6 +231,11 @@ def test_a_lead_in_that_ends_by_naming_the_plural_head_noun_names_the_list():
     # a singular head names no list (see the lookup order above)
     single = "Each entry below is one substitution:\n- %d\n- %f"
     assert section_items(single, "format substitution", "Entries") == []
+
+
+def test_a_listed_item_that_is_a_symbol_keeps_it():
+    # the model's listing of "+, -, *, /": "*" is an item, not emphasis around nothing
+    assert listed_items("- +\n- -\n- *\n- `<<`\n- **bold** [1]\n- \"quoted\".") == ["+", "-", "*", "<<", "bold", "quoted"]
 
 
 def test_a_number_out_of_sequence_starts_a_new_list():

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from assistant.citations import (QUOTED, Passage, SourceLedger, content_words, counted_noun, mentions, names,
-                                 specific_terms)
+                                 plural_head, specific_terms)
 from assistant.seams import close_if_closable
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
@@ -438,7 +438,9 @@ def section_hit(question: str, hits: Sequence[Any], named: str = "",
         found = next((h for h in same_doc if listed(h)), None)
         if found is not None:
             return found
-    return next((h for h in same_doc if noun != "items" and names(getattr(h, "heading", "") or "", noun)),
+    head = plural_head(noun)  # "Operators" is the section "how many mathematical operators" counts
+    return next((h for h in same_doc if noun != "items" and (names(getattr(h, "heading", "") or "", noun) or (
+                 head and head in re.findall(r"[a-z][\w-]*", (getattr(h, "heading", "") or "").lower())))),
                 next((h for h in hits[:3] if getattr(h, "heading", "")), best))
 
 
@@ -506,7 +508,13 @@ class DocumentPrefetch:
         if COUNTING.search(question) and callable(getattr(retriever, "section", None)):
             named = named_section(question)
             hits = retriever.search(named, 2 * self.k + 2, None) if named else []  # the section by its name first
-            hit = section_hit(question, [*hits, *retriever.search(query, 2 * self.k + 2, None)], named,
+            found = retriever.search(query, 2 * self.k + 2, None)
+            noun = counted_noun(question)
+            if found and noun != "items":  # the counted noun alone, in the best hit's document, finds the section
+                # that says it ("Operators" for "how many mathematical operators does the datatypes page list?",
+                # which the whole question's words had sent to "Affinity Name Examples")
+                found = [*found, *retriever.search(noun, self.k, {"doc_id": [found[0].doc_id]})]
+            hit = section_hit(question, [*hits, *found], named,
                               self._names_a_list(retriever, question) if self.lists is not None else None)
             if hit is not None:
                 pages = retriever.section(hit, self.max_read_chars)
