@@ -193,6 +193,21 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
     return CitationCheck(text, sources, tuple(really_dropped), tuple(sorted(set(inferred))), tuple(reassigned))
 
 
+def cited_as_written(answer: str, ledger: SourceLedger) -> CitationCheck:
+    """The sources of an answer whose markers code assigned from verbatim evidence (a count's items,
+    assistant/counting.py `supported_items`): kept as written. Read as the model's would be, a lone
+    symbol such as "- * [1]" holds no claim of its own, and its marker was dropped."""
+    claims: dict[int, list[str]] = {}  # marker -> the lines (items) it cites: the snippet's words
+    known = {p.marker for p in ledger.passages}
+    for line in _without_code(answer).splitlines():
+        for run in MARKER_RUN.findall(line):
+            for n in (int(n) for m in MARKER.finditer(run) for n in m.group(1).split(",")):
+                if n in known:
+                    claims.setdefault(n, []).append(MARKER_RUN.sub(" ", line))
+    return CitationCheck(answer, tuple(_source(ledger.get(n), " ".join(claims[n])) for n in sorted(claims)),  # type: ignore[arg-type]
+                         ())
+
+
 LATE_RUN = re.compile(r"(?<=[\w)\"'`])([.!?])[ \t]*((?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\])+)(?=\s|$)")
 
 

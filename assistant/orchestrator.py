@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from assistant.agent_loop import AgentLoop, AgentOptions, Prefetch, TurnState
 from assistant.answer_check import WITHDRAWN, cited_passages, passages_hold_answer
-from assistant.citations import SourceLedger, verify_citations
+from assistant.citations import SourceLedger, cited_as_written, verify_citations
 from assistant.config import AssistantConfig
 from assistant.context import MAX_MEMORY_TOKENS, user_questions
 from assistant.engine.base import Engine, Message, SamplingParams
@@ -345,7 +345,8 @@ class Orchestrator:
             final = grounding.text
             meta.update(grounding.to_meta())
         if len(turn.ledger) or turn.documents:
-            check = verify_citations(final, turn.ledger, facts=facts_held)
+            check = (cited_as_written(final, turn.ledger) if turn.route == "count"
+                     else verify_citations(final, turn.ledger, facts=facts_held))
             final = check.text
             meta.update(check.to_meta())
             absent = self._not_in_documents(user.content, final, turn) if check.sources else []

@@ -272,6 +272,28 @@ def test_a_section_without_a_list_is_listed_by_the_model_and_counted_in_code(tmp
     assert "Copy out every item the question counts" in engine.prompts[0][-1]["content"]
 
 
+class OperatorsRetriever(FakeRetriever):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits = [Hit("c4", "d1", "/docs/a.pdf", 6, "Operators",
+                         "Mathematical operators (+, -, *, /, and |) interpret both operands as if they were numbers.")]
+
+
+def test_a_count_of_symbols_keeps_the_markers_code_gave_its_items(tmp_path):
+    # "- * [1]" holds no words: read as a model's claim its marker went, and the count cited nothing
+    from assistant.events import Done, Sources
+    from tests.agent_fakes import make_assistant
+
+    assistant, _ = make_assistant(tmp_path, "- +\n- -\n- *\n- /\n- |", retriever=OperatorsRetriever())
+    events = list(assistant.turn(None, "How many mathematical operators does the Operators section list?"))
+    done = events[-1]
+    assert isinstance(done, Done) and done.text.startswith("There are 5 mathematical operators")
+    assert done.text.count("[1]") == 5 and "- * [1]" in done.text
+    sources = [s for e in events if isinstance(e, Sources) for s in e.sources]
+    assert [(s.marker, s.page) for s in sources] == [(1, 6)]
+    assert assistant.orchestrator.store.get_message(done.message_id).meta["sources"][0]["page"] == 6
+
+
 def test_a_listing_with_fewer_than_two_held_items_falls_back_to_the_answer(tmp_path):
     from assistant.events import Done
     from tests.agent_fakes import make_assistant
