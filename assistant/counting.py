@@ -18,8 +18,10 @@ Design note — counting over a whole section:
        ingest/retriever.py `Retriever.section`), and Ninja's variable reference, where subsection
        headings alternate with paragraphs like terms, became one list across sections;
     2. `section_items` takes the list the question counts, and only one that something names: a
-       lead-in that names the counted noun ("Some subclass rules are implicit:"), a table whose first
-       header names it, an option list for "options"/"flags", or, failing those, the section's
+       lead-in that names the counted noun ("Some subclass rules are implicit:") or ends on its head
+       word in the plural ("... a complete list of valid strftime() substitutions:" for "format
+       substitutions"), a table whose first header names it, an option list for "options"/"flags",
+       or, failing those, the section's
        heading ("3. Modifiers"). The first version took the section's longest list whatever it was,
        and on held-out questions counted the wrong list (a feature list for "how many command-line
        utilities"): 3 of 13 right. A confident wrong count is worse than the model's own answer;

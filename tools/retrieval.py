@@ -423,8 +423,9 @@ def section_hit(question: str, hits: Sequence[Any], named: str = "",
     question names, else the first in the best hit's document whose section holds a list that
     something names as what is counted (`listed(hit)`: "A test is UNRESOLVED when:" and five items,
     for "in how many ways can a test wind up UNRESOLVED", while the best hit was "Running runtest"),
-    else one there whose heading names it ("3. Modifiers" for "how many modifiers"), else the best
-    hit under a heading among the first three, else the best hit."""
+    else one there whose heading names it ("3. Modifiers" for "how many modifiers") or holds its plural
+    head word ("Operators" for "how many mathematical operators"), else the best hit under a heading
+    among the first three, else the best hit."""
     if not hits:
         return None
     wanted = content_words(named)
@@ -510,10 +511,11 @@ class DocumentPrefetch:
             hits = retriever.search(named, 2 * self.k + 2, None) if named else []  # the section by its name first
             found = retriever.search(query, 2 * self.k + 2, None)
             noun = counted_noun(question)
-            if found and noun != "items":  # the counted noun alone, in the best hit's document, finds the section
-                # that says it ("Operators" for "how many mathematical operators does the datatypes page list?",
-                # which the whole question's words had sent to "Affinity Name Examples")
-                found = [*found, *retriever.search(noun, self.k, {"doc_id": [found[0].doc_id]})]
+            best_doc = getattr(found[0], "doc_id", None) if found else None
+            if best_doc is not None and noun != "items":  # the counted noun alone, in the best hit's document,
+                # finds the section that says it ("Operators" for "how many mathematical operators does the
+                # datatypes page list?", which the whole question's words had sent to "Affinity Name Examples")
+                found = [*found, *retriever.search(noun, self.k, {"doc_id": [best_doc]})]
             hit = section_hit(question, [*hits, *found], named,
                               self._names_a_list(retriever, question) if self.lists is not None else None)
             if hit is not None:
