@@ -138,6 +138,11 @@ class CitationCheck:
                 "inferred_markers": list(self.inferred_markers), "reassigned_markers": [list(p) for p in self.reassigned]}
 
 
+def marker_numbers(run: str) -> list[int]:
+    """The passage numbers of a marker run: "[1][2, 3]" -> [1, 2, 3]."""
+    return [int(n) for m in MARKER.finditer(run) for n in m.group(1).split(",")]
+
+
 def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = True,
                      facts: FactSupport | None = None) -> CitationCheck:
     """Assign the answer's markers from evidence (see the design note)."""
@@ -153,12 +158,12 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
             if last and not content_words(MARKER_RUN.sub(" ", prose[last:run.start()])):
                 # a second run right after a cited sentence ("... is 2 [1]. [2]") closes no claim of its
                 # own: the model repeats or guesses a number; it is dropped, not re-attributed
-                dropped.extend(int(n) for m in MARKER.finditer(run.group(0)) for n in m.group(1).split(","))
+                dropped.extend(marker_numbers(run.group(0)))
                 out += [prose[last:run.start()].rstrip(" \t")]
                 last = run.end()
                 continue
             claim = _claim(prose, last, run.start()).translate(SHOW_BRACKETS)  # code's facts as written: `a[1]`
-            numbers = [int(n) for m in MARKER.finditer(run.group(0)) for n in m.group(1).split(",")]
+            numbers = marker_numbers(run.group(0))
             kept: list[int] = []
             for n in numbers:
                 chosen = _supporting(n, claim, words, held(claim)) if n in words else None
@@ -187,7 +192,7 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
             return attributed
         text = _outside_code(text, attribute)
     runs = MARKER_RUN.findall(_without_code(text))  # what assign took for markers: not `x[2]` in prose either
-    markers = sorted({int(n) for run in runs for m in MARKER.finditer(run) for n in m.group(1).split(",")} & set(words))
+    markers = sorted({n for run in runs for n in marker_numbers(run)} & set(words))
     sources = tuple(_source(ledger.get(n), claims.get(n, "")) for n in markers)  # type: ignore[arg-type]
     really_dropped = sorted(set(dropped) - set(markers))
     return CitationCheck(text, sources, tuple(really_dropped), tuple(sorted(set(inferred))), tuple(reassigned))
@@ -201,7 +206,7 @@ def cited_as_written(answer: str, ledger: SourceLedger) -> CitationCheck:
     known = {p.marker for p in ledger.passages}
     for line in _without_code(answer).splitlines():
         for run in MARKER_RUN.findall(line):
-            for n in (int(n) for m in MARKER.finditer(run) for n in m.group(1).split(",")):
+            for n in marker_numbers(run):
                 if n in known:
                     claims.setdefault(n, []).append(MARKER_RUN.sub(" ", line))
     return CitationCheck(answer, tuple(_source(ledger.get(n), " ".join(claims[n])) for n in sorted(claims)),  # type: ignore[arg-type]
@@ -375,6 +380,13 @@ def plural_head(noun: str) -> str:
     words = re.findall(r"[A-Za-z][\w-]*", noun)
     head = words[-1].lower() if len(words) >= 2 else ""
     return head if head and stem(head) != head else ""
+
+
+def holds_plural_head(text: str, noun: str, last: int | None = None) -> bool:
+    """Whether `text` (its `last` words only, when given) holds the counted noun's plural head word."""
+    head = plural_head(noun)
+    words = re.findall(r"[A-Za-z][\w-]*", text)
+    return bool(head) and head in (w.lower() for w in (words[-last:] if last else words))
 
 
 # -- whether a text mentions a name (assistant/grounding.py, tools/retrieval.py) ------------------------

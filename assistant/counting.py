@@ -43,7 +43,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from assistant.citations import Passage, content_words, counted_noun, names, plural_head, stem  # noqa: F401 - API here too
+from assistant.citations import Passage, content_words, counted_noun, holds_plural_head, names, stem  # noqa: F401 - API here too
 
 BULLET = re.compile(r"^\s*(?:[-*•·]|\d{1,3}[.)](?!\d)|\(\d{1,3}\))\s*")  # not "1.3 Design goals"
 MAX_ITEMS = 60  # a listing longer than this is not a count the section supports
@@ -187,9 +187,7 @@ def names_plural_head(lead_in: str, noun: str) -> bool:
     follows: "For simple types like OCTET STRING the simple parsing functions listed below may be used
     instead." introduces functions, not "ASN.1 types". A singular is no list's name ("The full lookup order
     for a variable is:" does not introduce "top-level variables")."""
-    head = plural_head(noun)  # one word is `names`' case; a singular head names no list
-    tail = re.findall(r"[A-Za-z][\w-]*", lead_in)[-HEAD_WORDS:]  # "... may be used instead." names no types
-    return bool(head) and head in (w.lower() for w in tail)
+    return holds_plural_head(lead_in, noun, HEAD_WORDS)  # "... may be used instead." names no types
 
 
 def supported_items(items: Sequence[str], passages: Sequence[Passage]) -> list[tuple[str, int]]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from assistant.citations import (QUOTED, Passage, SourceLedger, content_words, counted_noun, mentions, names,
-                                 plural_head, specific_terms)
+                                 holds_plural_head, specific_terms)
 from assistant.seams import close_if_closable
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
@@ -439,9 +439,9 @@ def section_hit(question: str, hits: Sequence[Any], named: str = "",
         found = next((h for h in same_doc if listed(h)), None)
         if found is not None:
             return found
-    head = plural_head(noun)  # "Operators" is the section "how many mathematical operators" counts
-    return next((h for h in same_doc if noun != "items" and (names(getattr(h, "heading", "") or "", noun) or (
-                 head and head in re.findall(r"[a-z][\w-]*", (getattr(h, "heading", "") or "").lower())))),
+    # "Operators" is the section "how many mathematical operators" counts
+    return next((h for h in same_doc if noun != "items" and (names(getattr(h, "heading", "") or "", noun)
+                                                             or holds_plural_head(getattr(h, "heading", "") or "", noun))),
                 next((h for h in hits[:3] if getattr(h, "heading", "")), best))
 
 
