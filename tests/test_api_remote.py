@@ -50,6 +50,16 @@ def test_stop_and_max_tokens_are_forwarded(server):
     assert last.finish_reason == "length"
 
 
+def test_logprobs_make_the_round_trip(server):
+    engine, url = server
+    engine.add(["Par", "is"], "plain")
+    remote = RemoteEngine(url, api_key="sekret", model="test-model")
+    scored = [s for d in remote.generate(MESSAGES, SamplingParams(logprobs=1)) for s in d.logprobs]
+    assert [(s.token, [t for t, _ in s.top]) for s in scored] == [("Par", ["Par"]), ("is", ["is"])]
+    assert scored[0].logprob == pytest.approx(-0.6931, abs=1e-4)
+    assert not any(d.logprobs for d in remote.generate(MESSAGES, SamplingParams()))
+
+
 def test_non_streaming_and_auth(server):
     engine, url = server
     engine.add("Paris.")

@@ -94,6 +94,39 @@ def test_seeded_sampling_is_reproducible(engine):
     assert _run(engine, params)[0] == _run(engine, params)[0]
 
 
+def test_logprobs_leave_the_tokens_alone_and_are_the_models_distribution(engine, tiny_config):
+    """logprobs=n: one entry per generated token, its raw log-probability and the n most likely tokens;
+    asking for them changes no token (an int8 greedy row then reads the full lm_head, not its screen), and
+    the first token's numbers are the reference model's log-softmax at the prompt's end."""
+    import torch
+
+    from assistant.engine.loading import load_model
+
+    for params in (SamplingParams(max_tokens=12, ignore_eos=True),
+                   SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=50, seed=5)):
+        text, plain = _run(engine, params)
+        scored_text, deltas = _run(engine, replace(params, logprobs=3))
+        assert (scored_text, _tokens(deltas)) == (text, _tokens(plain)) and not any(d.logprobs for d in plain)
+        assert [len(d.logprobs) for d in deltas] == [len(d.token_ids) for d in deltas]
+        for token, s in zip(_tokens(deltas), [s for d in deltas for s in d.logprobs]):
+            values = [v for _, v in s.top]
+            assert s.token == engine.tokenizer.decode([token]) and s.logprob <= 0
+            assert len(s.top) == 3 and values == sorted(values, reverse=True) and s.logprob <= values[0]
+            if params.temperature == 0:
+                assert s.top[0] == (s.token, s.logprob)  # the greedy token is the most likely one
+    ids = engine.checked_prompt_ids(MESSAGES, SamplingParams(), None)
+    with torch.inference_mode():
+        want = torch.log_softmax(load_model(tiny_config).model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    first = _run(engine, SamplingParams(max_tokens=1, logprobs=5))[1][0].logprobs[0]
+    best, near = torch.topk(want, 5), torch.topk(want, 8)
+    int8 = getattr(engine, "quantize", None) == "int8"
+    assert max(abs(v - float(w)) for (_, v), w in zip(first.top, best.values)) < (5e-2 if int8 else 1e-4)
+    if int8:  # int8 rounding may swap two near-equal tokens
+        assert {t for t, _ in first.top} <= {engine.tokenizer.decode([int(i)]) for i in near.indices}
+    else:
+        assert [t for t, _ in first.top] == [engine.tokenizer.decode([int(i)]) for i in best.indices]
+
+
 def test_cancel_and_close_free_the_engine(engine):
     cancel = threading.Event()
     stream = engine.generate(MESSAGES, SamplingParams(max_tokens=200, ignore_eos=True), cancel=cancel)

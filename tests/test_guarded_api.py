@@ -74,6 +74,26 @@ def test_a_raw_answer_repeating_the_requests_own_system_message_is_redacted(tmp_
     assert "WINTER-77" not in content and "[redacted: system prompt]" in content and "Anything else?" in content
 
 
+def test_logprobs_come_only_with_an_answer_shown_as_written(tmp_path):
+    """Each logprob names its token: a redacted answer's would give the secret away, so they come at the
+    end and only for an answer the guard let through unchanged."""
+    key = "sk-live-9a8B7c6D5e4F3g2H1i0JkLmNoPqRs"
+    _, _, app = make_app(tmp_path, ["Paris ", "is nice."], ["Paris ", "is nice."],
+                         [f"Your key is {key[:12]}", f"{key[12:]}."], [f"Your key is {key[:12]}", f"{key[12:]}."],
+                         settings=SAFETY_ON)
+    client = TestClient(app)
+    ask = {"messages": [{"role": "user", "content": "hello"}], "logprobs": True, "top_logprobs": 1}
+    body = client.post(CHAT, json=ask).json()
+    assert [t["token"] for t in body["choices"][0]["logprobs"]["content"]] == ["Paris ", "is nice."]
+    streamed = [json.loads(line[6:])["choices"][0] for line in client.post(CHAT, json={**ask, "stream": True}).text
+                .splitlines() if line.startswith("data: {")]
+    assert [t["token"] for c in streamed if c.get("logprobs") for t in c["logprobs"]["content"]] == ["Paris ", "is nice."]
+    redacted = client.post(CHAT, json=ask).json()["choices"][0]
+    assert "[redacted: api key]" in redacted["message"]["content"] and redacted["logprobs"] is None
+    r = client.post(CHAT, json={**ask, "stream": True})
+    assert key[12:] not in r.text and "[redacted: api key]" in r.text and '"logprobs"' not in r.text
+
+
 class InsultDetector:
     """`profanity` that finds "wrong" toxic (so the question passes and the answer does not)."""
 

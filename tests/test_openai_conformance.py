@@ -10,6 +10,7 @@ as `tool_calls`, a tool result fed back, embeddings with the packaged MiniLM, an
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -129,6 +130,27 @@ def test_stop_max_completion_tokens_and_seed_reach_the_engine(served):
     assert r.usage.completion_tokens == 2 and r.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_logprobs_in_openais_shape_streamed_and_not(served):
+    _, engine, client, url = served
+    engine.add(["Par", "is"], ["Par", "is"], "plain")
+    r = client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=[USER], logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == ["Par", "is"] and content[0].bytes == list(b"Par")
+    assert content[0].logprob == pytest.approx(math.log(0.5))
+    assert [(t.token, t.logprob) for t in content[0].top_logprobs] == [("Par", pytest.approx(math.log(0.5))),
+                                                                        ("?", pytest.approx(math.log(0.25)))]
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
+        model="qwen2.5-coder-0.5b", messages=[USER], logprobs=True, stream=True) if c.choices]
+    assert [t.token for lp in streamed if lp for t in lp.content] == ["Par", "is"]
+    assert all(t.top_logprobs == [] for lp in streamed if lp for t in lp.content)  # top_logprobs left out: none
+    assert client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=[USER]).choices[0].logprobs is None
+    post = lambda body: httpx.post(f"{url}/v1/chat/completions", json={"messages": [USER], **body})  # noqa: E731
+    for body in ({"model": "assistant", "logprobs": True}, {"logprobs": True, "tools": [WEATHER]},
+                 {"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        assert assert_openai_error(post(body), 400)["param"] in ("logprobs", "top_logprobs"), body
+    assert len(engine.prompts) == 3
+
+
 def test_models_list_the_chat_models_the_assistant_and_the_embedder(served):
     _, _, client, _ = served
     ids = [m.id for m in client.models.list()]
@@ -227,6 +249,14 @@ def test_the_sdk_against_the_real_model(real_client):
         usage = chunk.usage or usage
     assert text.strip() and usage.completion_tokens >= 1 and usage.prompt_tokens > 5
 
+    scored = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                            max_tokens=6, logprobs=True, top_logprobs=3)
+    tokens = scored.choices[0].logprobs.content
+    assert len(tokens) == scored.usage.completion_tokens and tokens[0].token.strip()
+    for t in tokens:  # greedy: every token is its place's most likely one
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
+
     ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
     forced = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER], max_tokens=40,
                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -249,9 +279,9 @@ def test_the_sdk_against_the_real_model(real_client):
     emb = client.embeddings.create(model="all-minilm-l6-v2", input=["The cat sat on the mat.", "A feline rested."])
     assert len(emb.data[0].embedding) == 384 and emb.usage.prompt_tokens > 5
     rows = assistant.usage.rows()
-    assert [(r.model, r.status) for r in rows][1:3] == [(model, "tool_calls")] * 2
+    assert [(r.model, r.status) for r in rows][1:4] == [(model, "length")] + [(model, "tool_calls")] * 2
     assert rows[-1].model == "all-minilm-l6-v2" and rows[-1].prompt_tokens == emb.usage.prompt_tokens
-    assert len(rows) == 5 and sum(r.completion_tokens for r in rows) > 10
+    assert len(rows) == 6 and sum(r.completion_tokens for r in rows) > 10
 
 
 def test_template_messages_turn_string_arguments_into_objects_and_mark_a_prefix():

@@ -354,6 +354,21 @@ def test_speculative_greedy_output_is_plain_greedy_output(pair):
         assert on.blocks.num_free_blocks == on.blocks.num_blocks
 
 
+def test_logprobs_of_accepted_drafts_are_plain_decodings(pair):
+    """A verify step's rows score the drafts they accept: with logprobs, speculation still carries runs of
+    tokens in one delta, and each token's numbers are those plain decoding gives it."""
+    on, off = pair["sticky"]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
+    for prompt in _prompts(4, seed=7):
+        got, want = _run(on, prompt, params), _run(off, prompt, params)
+        assert got[:2] == want[:2]
+        assert [len(d.logprobs) for d in got[2]] == [len(d.token_ids) for d in got[2]]
+        mine, plain = [s for d in got[2] for s in d.logprobs], [s for d in want[2] for s in d.logprobs]
+        assert [s.token for s in mine] == [s.token for s in plain]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(mine, plain)) < 1e-3
+    assert max(len(d.token_ids) for d in got[2]) >= 3, "accepted runs should still come in single deltas"
+
+
 def test_concurrent_sequences_speculate_in_one_batch(pair):
     on, off = pair["sticky"]
     params = SamplingParams(max_tokens=40, ignore_eos=True)

@@ -21,6 +21,9 @@ PREFIX = "prefix"
 Prompt = Sequence[Message] | Sequence[int]
 
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (deterministic); >0 samples from softmax(logits / temperature)
@@ -30,6 +33,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any of these strings
     seed: int | None = None  # sampling seed for reproducible non-greedy output
     ignore_eos: bool = False  # keep generating past end-of-sequence (benchmarks: fixed-length answers)
+    # None: no log-probabilities; n >= 0: each token's log-probability under the model (its raw logits,
+    # before temperature, top-k and top-p) and its n most likely alternatives (OpenAI's top_logprobs)
+    logprobs: int | None = None
 
     def verify(self) -> None:
         if self.temperature < 0:
@@ -42,6 +48,17 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens} must be at least 1.")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs={self.logprobs} must be between 0 and {MAX_TOP_LOGPROBS} (None = off).")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and, when asked for, the most likely tokens at its place
+    (the token itself among them when it is one of them), most likely first."""
+    token: str  # the token's own text (may be part of a character: a byte-level token decodes to "\ufffd")
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 FINISH_STOP = "stop"  # end-of-sequence token or a stop string
@@ -57,6 +74,7 @@ class TokenDelta:
     num_prompt_tokens: int = 0  # tokens in the prompt (after the chat template)
     num_generated_tokens: int = 0  # tokens generated so far
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token, when SamplingParams.logprobs asks
 
 
 class Engine(ABC):

@@ -2,11 +2,13 @@
 
 Each call to `generate` takes the next script entry (a string, or a list of chunks to stream as
 separate deltas) and records the prompt it was given, so tests can assert on what the orchestrator
-sent. It honours max_tokens (counted in chunks), stop strings and cancellation like a real engine.
+sent. It honours max_tokens (counted in chunks), stop strings and cancellation like a real engine, and scores
+each chunk as one token when logprobs are asked for (fixed numbers).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Iterator, Sequence
 
@@ -19,6 +21,7 @@ from assistant.engine.base import (
     Prompt,
     SamplingParams,
     TokenDelta,
+    TokenLogprob,
 )
 from assistant.engine.detokenize import StopMatcher
 from assistant.errors import EngineError
@@ -62,11 +65,17 @@ class ScriptedEngine(Engine):
                 yield TokenDelta("", (), FINISH_CANCELLED, num_prompt, step - 1)
                 return
             text = stops.push(chunk)
+            scored = () if params.logprobs is None else (_scored(chunk, params.logprobs),)
             if stops.stopped:
-                yield TokenDelta(text, (step,), FINISH_STOP, num_prompt, step)
+                yield TokenDelta(text, (step,), FINISH_STOP, num_prompt, step, logprobs=scored)
                 return
             if step == params.max_tokens:
-                yield TokenDelta(text + stops.flush(), (step,), FINISH_LENGTH, num_prompt, step)
+                yield TokenDelta(text + stops.flush(), (step,), FINISH_LENGTH, num_prompt, step, logprobs=scored)
                 return
-            yield TokenDelta(text, (step,), None, num_prompt, step)
+            yield TokenDelta(text, (step,), None, num_prompt, step, logprobs=scored)
         yield TokenDelta(stops.flush(), (), FINISH_STOP, num_prompt, len(chunks))
+
+
+def _scored(chunk: str, top: int) -> TokenLogprob:
+    """A scripted chunk as one token of probability 1/2, the runner-up "?" at 1/4 (fixed fake numbers)."""
+    return TokenLogprob(chunk, math.log(0.5), ((chunk, math.log(0.5)), ("?", math.log(0.25)))[:top])

@@ -31,7 +31,7 @@ from assistant.engine.base import (
 )
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
 from assistant.engine.loading import ChatTemplateEncoding, LoadedModel, eos_token_ids, load_model
-from assistant.engine.sampling import sample
+from assistant.engine.sampling import sample, token_logprobs
 
 
 def prefill(model: Any, input_ids: Any, cache: Any) -> Any:
@@ -74,6 +74,9 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
         with self._lock:
             yield from self._generate_locked(prompt_ids, params, cancel)
 
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
     def _generate_locked(self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event | None):
         import torch
         from transformers import DynamicCache
@@ -94,15 +97,18 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
                     return
                 token = sample(logits, params, generator)  # (1,)
                 token_id = int(token.item())
+                scored = () if params.logprobs is None else tuple(
+                    token_logprobs(logits, [token_id], params.logprobs, self._token_text))
                 if token_id in self.eos_ids and not params.ignore_eos:
-                    yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step)
+                    yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step, logprobs=scored)
                     return
                 text = stops.push(detok.push(token_id))
                 if stops.stopped:
-                    yield TokenDelta(text, (token_id,), FINISH_STOP, num_prompt, step)
+                    yield TokenDelta(text, (token_id,), FINISH_STOP, num_prompt, step, logprobs=scored)
                     return
                 if step == max_new:
-                    yield TokenDelta(text + stops.flush(), (token_id,), FINISH_LENGTH, num_prompt, step)
+                    yield TokenDelta(text + stops.flush(), (token_id,), FINISH_LENGTH, num_prompt, step,
+                                     logprobs=scored)
                     return
-                yield TokenDelta(text, (token_id,), None, num_prompt, step)
+                yield TokenDelta(text, (token_id,), None, num_prompt, step, logprobs=scored)
                 logits = decode_one_token(self.model, token.view(1, 1), cache)

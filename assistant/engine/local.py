@@ -54,6 +54,7 @@ from assistant.engine.base import (
     Prompt,
     SamplingParams,
     TokenDelta,
+    TokenLogprob,
 )
 from assistant.engine.cuda_graphs import DecodeGraphs
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
@@ -68,7 +69,7 @@ from assistant.engine.loading import (
     load_model,
 )
 from assistant.engine.model import SeqBatch, Transformer, argmax
-from assistant.engine.sampling import accept_greedy, accept_sampled, logits_to_probs, sample
+from assistant.engine.sampling import accept_greedy, accept_sampled, logits_to_probs, sample, token_logprobs
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from assistant.engine.speculate import Speculator
 from assistant.engine.taps import HiddenTap
@@ -432,7 +433,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                 return self.graphs.run(tokens, positions, [r.block_table for r, _ in scheduled])
             return self.model.forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), seqs, self.kv,
-                                      greedy=[r.params.temperature == 0 for r, _ in scheduled])
+                                      greedy=[r.params.temperature == 0 and r.params.logprobs is None
+                                              for r, _ in scheduled])
 
     def _process(self, scheduled: list[tuple[Request, int]], logits: Any) -> None:
         """Sample (or verify drafts), detokenise and stream per request, each under its own guard (see
@@ -465,14 +467,20 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                         tokens = [greedy[i]]
                     else:
                         tokens = [int(sample(logits[i:i + 1], r.params, r.state.generator).item())]
-                self._append(r, tokens)
+                scored = () if r.params.logprobs is None else tuple(
+                    token_logprobs(logits[i:], tokens, r.params.logprobs, self._token_text))
+                self._append(r, tokens, scored)
             except Exception as e:  # this request's sampling / detokenising / stop strings
                 log.exception("request %s failed while producing its token", r.request_id)
                 self._fail(r, self._error("This request failed", e))
 
-    def _append(self, r: Request, tokens: list[int]) -> None:
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _append(self, r: Request, tokens: list[int], scored: tuple[TokenLogprob, ...] = ()) -> None:
         """Append tokens one by one as plain decoding would, stopping at EOS, a stop string, max_tokens
-        or the context window (later accepted drafts are dropped); one delta for all of them."""
+        or the context window (later accepted drafts are dropped); one delta for all of them, with the
+        log-probabilities of the tokens it holds (`scored`, one per token, when the request asks)."""
         s = r.state
         status = None
         text = ""
@@ -493,8 +501,10 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         if status is not None:
             with self._cond:
                 self.scheduler.finish(r, status)
-        s.out.put(self._delta(r, text, tuple(appended), _FINISH.get(status) if status else None))
+        s.out.put(self._delta(r, text, tuple(appended), _FINISH.get(status) if status else None,
+                              scored[:len(appended)]))
 
     @staticmethod
-    def _delta(r: Request, text: str, token_ids: tuple[int, ...], finish: str | None) -> TokenDelta:
-        return TokenDelta(text, token_ids, finish, len(r.prompt_ids), len(r.output_ids), r.num_cached_tokens)
+    def _delta(r: Request, text: str, token_ids: tuple[int, ...], finish: str | None,
+               scored: tuple[TokenLogprob, ...] = ()) -> TokenDelta:
+        return TokenDelta(text, token_ids, finish, len(r.prompt_ids), len(r.output_ids), r.num_cached_tokens, scored)

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 
 from assistant.config import AssistantConfig
 from assistant.engine.base import (FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, PREFIX, Engine, Message, Prompt,
-                                    SamplingParams, TokenDelta)
+                                    SamplingParams, TokenDelta, TokenLogprob)
 from assistant.errors import EngineBusy, EngineError
 
 CHARS_PER_TOKEN = 4
@@ -73,6 +73,8 @@ class RemoteEngine(Engine):
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.logprobs is not None:
+            body.update(logprobs=True, top_logprobs=params.logprobs)
         if prompt and prompt[-1].get(PREFIX):  # continue the final assistant message (vLLM's extension)
             body["messages"] = [{k: v for k, v in m.items() if k != PREFIX} for m in prompt]
             body.update(continue_final_message=True, add_generation_prompt=False)
@@ -120,15 +122,24 @@ class RemoteEngine(Engine):
                     entry["name"] += fn.get("name") or ""
                     entry["arguments"] += fn.get("arguments") or ""
                 finish = choice.get("finish_reason") or finish
-                if delta.get("content"):
-                    generated += 1
-                    yield TokenDelta(delta["content"], (), None, prompt_tokens, generated)
+                scored = _scored(choice.get("logprobs"))
+                if delta.get("content") or scored:
+                    generated += 1 if delta.get("content") else 0
+                    yield TokenDelta(delta.get("content") or "", (), None, prompt_tokens, generated, logprobs=scored)
         tail = "".join(_render_tool_call(c) for c in calls.values())
         reason = FINISH_LENGTH if finish == "length" else FINISH_STOP
         yield TokenDelta(tail, (), reason, prompt_tokens, generated, cached)
 
     def close(self) -> None:
         self.client.close()
+
+
+def _scored(logprobs: Any) -> tuple[TokenLogprob, ...]:
+    """A chunk's `logprobs.content` (OpenAI's shape) as the engine's TokenLogprob tuple."""
+    content = (logprobs or {}).get("content") if isinstance(logprobs, dict) else None
+    return tuple(TokenLogprob(t["token"], float(t["logprob"]),
+                              tuple((a["token"], float(a["logprob"])) for a in t.get("top_logprobs") or ()))
+                 for t in content or ())
 
 
 def _render_tool_call(call: dict[str, Any]) -> str:

@@ -1,10 +1,11 @@
-"""Turning logits into the next token: greedy, temperature, top-k, top-p (gpt-fast style functions)."""
+"""Turning logits into the next token: greedy, temperature, top-k, top-p (gpt-fast style functions), and
+the tokens' log-probabilities when a request asks for them."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from assistant.engine.base import SamplingParams
+from assistant.engine.base import SamplingParams, TokenLogprob
 
 
 def logits_to_probs(logits: Any, params: SamplingParams) -> Any:
@@ -63,3 +64,21 @@ def accept_sampled(probs: Any, drafts: Sequence[int], generator: Any = None) -> 
         residual[d] = 0.0
         return [*drafts[:i], int(torch.multinomial(residual / residual.sum(), 1, generator=generator).item())]
     return [*drafts, int(torch.multinomial(probs[len(drafts)], 1, generator=generator).item())]
+
+
+def token_logprobs(logits: Any, tokens: Sequence[int], top: int, decode: Callable[[int], str]) -> list[TokenLogprob]:
+    """The log-probabilities of `tokens` under the rows of `logits` that chose them ((>= len(tokens), V),
+    row i for token i), with each row's `top` most likely tokens: the model's raw distribution, before
+    temperature, top-k and top-p (as OpenAI's and vLLM's logprobs). Rows must be full logits (not a greedy
+    row's screened head, whose non-candidates are -inf)."""
+    import torch
+
+    rows = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+    best = torch.topk(rows, top, dim=-1) if top else None
+    out = []
+    for i, token in enumerate(tokens):
+        alternatives: tuple[tuple[str, float], ...] = ()
+        if best is not None:
+            alternatives = tuple((decode(int(t)), float(v)) for v, t in zip(best.values[i], best.indices[i]))
+        out.append(TokenLogprob(decode(int(token)), float(rows[i, token]), alternatives))
+    return out

@@ -18,9 +18,9 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
-from assistant.engine.base import PREFIX, TokenDelta
+from assistant.engine.base import PREFIX, TokenDelta, TokenLogprob
 from assistant.errors import AssistantError, EngineBusy
 from assistant.seams import close_if_closable
 from assistant.toolcalls import ParsedReply, ToolCallSplitter, parse_reply
@@ -46,10 +46,23 @@ def finish_reason(reason: str | None) -> str | None:
     return {"cancelled": "stop", "blocked": "content_filter"}.get(reason or "", reason)
 
 
-def chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None) -> str:
+def chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None,
+          logprobs: dict[str, Any] | None = None) -> str:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     body = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            "choices": [choice]}
     return f"data: {json.dumps(body)}\n\n"
+
+
+def logprobs_of(scored: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's `choices[].logprobs` for tokens the engine scored (SamplingParams.logprobs)."""
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(s.token, s.logprob), "top_logprobs": [entry(t, v) for t, v in s.top]}
+                        for s in scored], "refusal": None}
 
 
 def usage_of(last: TokenDelta) -> dict[str, Any]:
@@ -107,14 +120,16 @@ def status_of(reason: str | None) -> str:
             "content_filter": "content_filter"}.get(reason or "", "ok")
 
 
-def drain(deltas: Iterator[TokenDelta]) -> tuple[str, TokenDelta]:
-    text, last = [], TokenDelta("")
+def drain(deltas: Iterator[TokenDelta]) -> tuple[str, TokenDelta, list[TokenLogprob]]:
+    """(the whole text, the last delta, every token's log-probabilities when they were asked for)."""
+    text, last, scored = [], TokenDelta(""), []
     try:
         for last in deltas:
             text.append(last.text)
+            scored.extend(last.logprobs)
     finally:
         close_if_closable(deltas)
-    return "".join(text), last
+    return "".join(text), last, scored
 
 
 def sse(deltas: Iterator[TokenDelta], shape: Shape, include_usage: bool, ticket: Any = None, metrics: Any = None,
@@ -147,8 +162,9 @@ def sse(deltas: Iterator[TokenDelta], shape: Shape, include_usage: bool, ticket:
                 shown = splitter.feed(last.text)
                 if shown:
                     yield chunk(cid, model, {"content": shown}, None)
-            elif last.text or last.finish_reason:
-                yield chunk(cid, model, {"content": last.text} if last.text else {}, finish_reason(last.finish_reason))
+            elif last.text or last.finish_reason or last.logprobs:
+                yield chunk(cid, model, {"content": last.text} if last.text else {}, finish_reason(last.finish_reason),
+                            logprobs_of(last.logprobs) if last.logprobs else None)
             if last.finish_reason:
                 ended = last.finish_reason
         if shape.forced or splitter is not None:

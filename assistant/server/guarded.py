@@ -11,7 +11,8 @@ that policy, also protecting the request's own system messages like the system p
 card numbers, private emails and phones and system-prompt copies are redacted in the stream, holding
 back at most one sentence. A toxic answer is stopped: the notice replaces the rest, the engine is
 closed (the generation stops), and the finish reason is `content_filter`. Token counts are the
-engine's, so usage and the ledger stay exact.
+engine's, so usage and the ledger stay exact. Token log-probabilities (`logprobs`) come at the end,
+and only for an answer shown exactly as the model wrote it: each one names its token.
 """
 
 from __future__ import annotations
@@ -47,19 +48,27 @@ def check_input(safety: Any, policy: str | None, key_id: str, messages: list[dic
 
 
 def guard_deltas(deltas: Iterator[TokenDelta], out: Any) -> Iterator[TokenDelta]:
-    """The engine's deltas with their text passed through the OutputGuard `out` (see the module notes)."""
+    """The engine's deltas with their text passed through the OutputGuard `out` (see the module notes).
+    Token log-probabilities (each names its token's text) are held to the end and come with the last
+    delta only when the whole answer was shown as written: none for a stopped or redacted answer."""
     last = TokenDelta("")
+    written, shown_all, scored = [], [], []
     try:
         for last in deltas:
             shown, stopped = _shown(out.feed(TextDelta(last.text)) if last.text else ())
+            written.append(last.text)
+            shown_all.append(shown)
+            scored.extend(last.logprobs)
             if stopped:
                 yield TokenDelta(shown, last.token_ids, CONTENT_FILTER, last.num_prompt_tokens,
                                  last.num_generated_tokens, last.num_cached_tokens)
                 return
             if last.finish_reason:
                 tail, stopped = _shown(out.finish())
+                whole = not stopped and "".join(shown_all) + tail == "".join(written)
                 yield TokenDelta(shown + tail, last.token_ids, CONTENT_FILTER if stopped else last.finish_reason,
-                                 last.num_prompt_tokens, last.num_generated_tokens, last.num_cached_tokens)
+                                 last.num_prompt_tokens, last.num_generated_tokens, last.num_cached_tokens,
+                                 tuple(scored) if whole else ())
                 return
             if shown or last.token_ids:
                 yield TokenDelta(shown, last.token_ids, None, last.num_prompt_tokens, last.num_generated_tokens,

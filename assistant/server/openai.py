@@ -41,7 +41,8 @@ from assistant.engine.base import Engine
 from assistant.errors import AssistantError, ConfigError, EngineBusy, ModelError
 from assistant.server.assistant_model import ASSISTANT_MODEL, assistant_completion
 from assistant.server.auth import UNAUTHORIZED
-from assistant.server.completions import Shape, drain, error_body, message_of, sse, status_of, usage_of
+from assistant.server.completions import (Shape, drain, error_body, logprobs_of, message_of, sse, status_of,
+                                          usage_of)
 from assistant.server.gateway import Gateway, Refusal, Ticket
 from assistant.server.guarded import blocked_completion, check_input, guard_deltas, system_texts
 from assistant.server.response_cache import ResponseCache, recording, replay
@@ -56,6 +57,11 @@ try:  # transformers renders chat templates with jinja2; engines without it neve
 except ImportError:  # pragma: no cover
     class TemplateError(Exception):  # type: ignore[no-redef]
         pass
+
+
+NO_ASSISTANT_LOGPROBS = ("logprobs describe a raw model's tokens ({models}); the `assistant` model's answer is "
+                         "rewritten after the model writes it (citations, grounding), so they would not describe it.")
+NO_TOOL_LOGPROBS = "logprobs are not given with `tools`: ask without tools, or leave logprobs out."
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -147,6 +153,9 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
         model = req.model or model_name
         if model not in chat_models + ([ASSISTANT_MODEL] if assistant is not None else []) or not principal.may_use(model):
             return _unknown_model(model)
+        if req.logprobs and (model == ASSISTANT_MODEL or req.engine_tools()):
+            return _error(400, (NO_ASSISTANT_LOGPROBS if model == ASSISTANT_MODEL else NO_TOOL_LOGPROBS).format(
+                models=", ".join(chat_models)), param="logprobs")
         pictures = [m.images for m in req.messages]
         if any(pictures) and getattr(assistant, "media", None) is None:
             return _error(400, "Pictures need the assistant's vision backend, which this server does not have.",
@@ -282,7 +291,7 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
         return ClosingStreamingResponse(sse(deltas, shape, req.include_usage, ticket, gateway.metrics, started),
                                  media_type="text/event-stream", headers=ticket.headers)
     try:  # the drain waits for every token: in the threadpool, never on the event loop
-        text, last = await run_in_threadpool(drain, deltas)
+        text, last, scored = await run_in_threadpool(drain, deltas)
     except EngineBusy as e:
         return await refuse(503, str(e), "overloaded", ledger="busy", headers={"retry-after": "1"})
     except ValueError as e:  # an engine that validates lazily (on first iteration)
@@ -297,6 +306,8 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
                             last.num_generated_tokens)
     return JSONResponse({
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                     # none when the output guard held them back (a stopped or redacted answer)
+                     "logprobs": logprobs_of(scored) if params.logprobs is not None and scored else None}],
         "usage": usage_of(last),
     }, headers=ticket.headers)

@@ -3,7 +3,7 @@
 NOTE — what may be answered from the cache, and how a hit is decided.
 
   Eligible: a raw-model request (not the `assistant` turn: that one retrieves and runs tools) with
-  temperature 0, no tools, no pictures (streamed or not); anything else always goes to the engine. The cache is off unless `engine.response_cache` is on *and* the caller's tier has
+  temperature 0, no tools, no pictures, no logprobs (a stored answer has none) (streamed or not); anything else always goes to the engine. The cache is off unless `engine.response_cache` is on *and* the caller's tier has
   `response_cache = true` (the open server's local user counts as enabled).
 
   Exact part of the key: the caller's scope (its key id: one key never sees another's answers), the
@@ -132,7 +132,7 @@ class ResponseCache:
 
     @staticmethod
     def eligible(params: Any, tools: Sequence[Any] | None, has_pictures: bool) -> bool:
-        return params.temperature == 0 and not tools and not has_pictures
+        return params.temperature == 0 and getattr(params, "logprobs", None) is None and not tools and not has_pictures
 
     @staticmethod
     def key(scope: str, model: str, messages: Sequence[dict[str, Any]], params: Any) -> tuple[tuple, str]:

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from assistant.engine.base import SamplingParams
+from assistant.engine.base import MAX_TOP_LOGPROBS, SamplingParams
 from assistant.seams import Attachment, UserInput
 
 MAX_TOKENS_DEFAULT = 512
@@ -196,6 +196,8 @@ class ChatCompletionRequest(_Strict):
     tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None  # accepted; the model may make several calls either way
     response_format: Optional[ResponseFormat] = None
+    logprobs: Optional[bool] = None  # each generated token's log-probability (raw models only)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # and its n most likely alternatives
 
     @model_validator(mode="after")
     def _few_images(self) -> "ChatCompletionRequest":
@@ -214,6 +216,13 @@ class ChatCompletionRequest(_Strict):
             raise ValueError("tool_choice needs `tools` to choose from")
         if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
             raise ValueError(f"names the function {value.function.name!r}, which is not among `tools`")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs `logprobs: true`")
         return value
 
     @field_validator("stop", mode="before")
@@ -236,6 +245,7 @@ class ChatCompletionRequest(_Strict):
             max_tokens=self.max_tokens or self.max_completion_tokens or MAX_TOKENS_DEFAULT,
             stop=tuple(self.stop or ()),
             seed=self.seed,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
         params.verify()  # cannot fail after the checks above; kept as the engines' own contract
         return params
