@@ -114,6 +114,15 @@ def test_logprobs_leave_the_tokens_alone_and_are_the_models_distribution(engine,
             assert len(s.top) == 3 and values == sorted(values, reverse=True) and s.logprob <= values[0]
             if params.temperature == 0:
                 assert s.top[0] == (s.token, s.logprob)  # the greedy token is the most likely one
+    # an answer that ends on end-of-sequence: that token, no part of the text, has no logprob
+    third = _tokens(_run(engine, SamplingParams(max_tokens=3, ignore_eos=True))[1])[2]
+    eos, engine.eos_ids = engine.eos_ids, {third}  # the random model's third token stands in for EOS
+    try:
+        deltas = _run(engine, SamplingParams(max_tokens=12, logprobs=1))[1]
+    finally:
+        engine.eos_ids = eos
+    assert _tokens(deltas)[-1] == third and deltas[-1].finish_reason == "stop"
+    assert len([s for d in deltas for s in d.logprobs]) == len(_tokens(deltas)) - 1
     ids = engine.checked_prompt_ids(MESSAGES, SamplingParams(), None)
     with torch.inference_mode():
         want = torch.log_softmax(load_model(tiny_config).model(torch.tensor([ids])).logits[0, -1].float(), -1)

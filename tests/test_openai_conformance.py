@@ -252,7 +252,9 @@ def test_the_sdk_against_the_real_model(real_client):
     scored = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
                                             max_tokens=6, logprobs=True, top_logprobs=3)
     tokens = scored.choices[0].logprobs.content
-    assert len(tokens) == scored.usage.completion_tokens and tokens[0].token.strip()
+    ended = scored.choices[0].finish_reason == "stop"  # the end-of-sequence token has no logprob
+    assert len(tokens) == scored.usage.completion_tokens - ended and tokens[0].token.strip()
+    assert "".join(t.token for t in tokens) == scored.choices[0].message.content
     for t in tokens:  # greedy: every token is its place's most likely one
         assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
         assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)

@@ -74,7 +74,8 @@ class TokenDelta:
     num_prompt_tokens: int = 0  # tokens in the prompt (after the chat template)
     num_generated_tokens: int = 0  # tokens generated so far
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per generated token, when SamplingParams.logprobs asks
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids but an end-of-sequence token, when
+    # SamplingParams.logprobs asks
 
 
 class Engine(ABC):

@@ -100,7 +100,7 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
                 scored = () if params.logprobs is None else tuple(
                     token_logprobs(logits, [token_id], params.logprobs, self._token_text))
                 if token_id in self.eos_ids and not params.ignore_eos:
-                    yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step, logprobs=scored)
+                    yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step)  # EOS: no logprob
                     return
                 text = stops.push(detok.push(token_id))
                 if stops.stopped:

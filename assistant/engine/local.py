@@ -480,7 +480,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
     def _append(self, r: Request, tokens: list[int], scored: tuple[TokenLogprob, ...] = ()) -> None:
         """Append tokens one by one as plain decoding would, stopping at EOS, a stop string, max_tokens
         or the context window (later accepted drafts are dropped); one delta for all of them, with the
-        log-probabilities of the tokens it holds (`scored`, one per token, when the request asks)."""
+        log-probabilities of the tokens it holds (`scored`, one per token, when the request asks; none for
+        the end-of-sequence token)."""
         s = r.state
         status = None
         text = ""
@@ -501,8 +502,10 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         if status is not None:
             with self._cond:
                 self.scheduler.finish(r, status)
-        s.out.put(self._delta(r, text, tuple(appended), _FINISH.get(status) if status else None,
-                              scored[:len(appended)]))
+        kept = scored[:len(appended)]
+        if kept and appended[-1] in self.eos_ids and not r.params.ignore_eos:
+            kept = kept[:-1]  # the end of the answer is no part of its text: OpenAI's logprobs leave it out
+        s.out.put(self._delta(r, text, tuple(appended), _FINISH.get(status) if status else None, kept))
 
     @staticmethod
     def _delta(r: Request, text: str, token_ids: tuple[int, ...], finish: str | None,
