@@ -60,6 +60,15 @@ def test_logprobs_make_the_round_trip(server):
     assert not any(d.logprobs for d in remote.generate(MESSAGES, SamplingParams()))
 
 
+def test_penalties_and_logit_bias_are_forwarded(server):
+    engine, url = server
+    engine.add("ok")
+    remote = RemoteEngine(url, api_key="sekret", model="test-model")
+    list(remote.generate(MESSAGES, SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, logit_bias=((9, 3.0),))))
+    got = engine.params[-1]
+    assert (got.presence_penalty, got.frequency_penalty, got.logit_bias) == (1.0, 0.5, ((9, 3.0),))
+
+
 def test_non_streaming_and_auth(server):
     engine, url = server
     engine.add("Paris.")

@@ -151,6 +151,20 @@ def test_logprobs_in_openais_shape_streamed_and_not(served):
     assert len(engine.prompts) == 3
 
 
+def test_penalties_and_logit_bias_reach_the_engine(served):
+    _, engine, client, url = served
+    engine.add("ok")
+    client.chat.completions.create(model="qwen2.5-coder-0.5b", messages=[USER], presence_penalty=0.5,
+                                   frequency_penalty=-1, logit_bias={"42": -100, "7": 2.5})
+    params = engine.params[-1]
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert params.logit_bias == ((42, -100.0), (7, 2.5))
+    post = lambda body: httpx.post(f"{url}/v1/chat/completions", json={"messages": [USER], **body})  # noqa: E731
+    for body in ({"presence_penalty": 2.5}, {"logit_bias": {"x": 1}}, {"logit_bias": {"5": 101}}):
+        assert assert_openai_error(post(body), 400)["param"] in ("presence_penalty", "logit_bias"), body
+    assert len(engine.prompts) == 1
+
+
 def test_models_list_the_chat_models_the_assistant_and_the_embedder(served):
     _, _, client, _ = served
     ids = [m.id for m in client.models.list()]

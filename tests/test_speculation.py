@@ -30,6 +30,19 @@ def _index(ids):
     return index
 
 
+def test_penalties_count_the_answer_and_the_drafts_before_each_row():
+    import torch
+
+    from assistant.engine.sampling import adjusted
+
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((4, 2.0), (0, -100.0)))
+    out = adjusted(torch.zeros(3, 6), params, answer=[1, 1, 2], drafts=[3, 1])
+    assert out.tolist() == [[-100, -1.0, -0.75, 0, 2, 0],      # the answer: 1 twice, 2 once
+                            [-100, -1.0, -0.75, -0.75, 2, 0],  # then the first draft, 3
+                            [-100, -1.25, -0.75, -0.75, 2, 0]]  # then the second, 1 a third time
+    assert adjusted(torch.zeros(1, 6), SamplingParams(presence_penalty=2.0), answer=[]).tolist() == [[0.0] * 6]
+
+
 def test_ngram_index_drafts_what_followed_the_longest_most_recent_match():
     assert _index([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]).propose(3) == ([4, 5, 9], 3)  # "1 2 3", not "2 3"
     assert _index([1, 2, 9, 1, 2, 7, 1, 2]).propose(2) == ([7, 1], 2)  # "1 2" most recently before 7
@@ -367,6 +380,15 @@ def test_logprobs_of_accepted_drafts_are_plain_decodings(pair):
         assert [s.token for s in mine] == [s.token for s in plain]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(mine, plain)) < 1e-3
     assert max(len(d.token_ids) for d in got[2]) >= 3, "accepted runs should still come in single deltas"
+
+
+def test_penalised_greedy_output_is_the_same_with_speculation(pair):
+    on, off = pair["sticky"]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.3,
+                            logit_bias=((7, 1.5),))
+    for prompt in _prompts(4, seed=9):
+        assert _run(on, prompt, params)[:2] == _run(off, prompt, params)[:2]
+    assert on.blocks.num_free_blocks == on.blocks.num_blocks
 
 
 def test_concurrent_sequences_speculate_in_one_batch(pair):

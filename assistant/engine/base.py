@@ -22,6 +22,7 @@ Prompt = Sequence[Message] | Sequence[int]
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+MAX_LOGIT_BIAS = 300  # tokens a request may bias, as OpenAI's API
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,15 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: each token's log-probability under the model (its raw logits,
     # before temperature, top-k and top-p) and its n most likely alternatives (OpenAI's top_logprobs)
     logprobs: int | None = None
+    # OpenAI's penalties on the answer so far: a token's logit loses presence_penalty once it is in the answer
+    # and frequency_penalty for each time it is; logit_bias adds (token id, bias) to a token's logit
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     def verify(self) -> None:
         if self.temperature < 0:
@@ -50,6 +60,11 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs={self.logprobs} must be between 0 and {MAX_TOP_LOGPROBS} (None = off).")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}={getattr(self, name)} must be between -2 and 2 (0 = off).")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, each biased by -100 to 100.")
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,15 @@ class TokenLogprob:
     token: str  # the token's own text (may be part of a character: a byte-level token decodes to "\ufffd")
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+
+
+def check_biased_tokens(params: SamplingParams, vocab: int) -> None:
+    """Refuse a logit_bias that names a token outside a vocabulary of `vocab` ids."""
+    bad = next((t for t, _ in params.logit_bias if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
+               None)
+    if bad is not None:
+        raise ValueError(f"logit_bias names token {bad!r}, which is not in the model's vocabulary "
+                         f"(integers 0..{vocab - 1}).")
 
 
 FINISH_STOP = "stop"  # end-of-sequence token or a stop string

@@ -34,6 +34,7 @@ class ScriptedEngine(Engine):
         self.script = list(script)
         self.context_window = context_window
         self.prompts: list[Prompt] = []  # every prompt received, in order
+        self.params: list[SamplingParams] = []  # and its sampling settings
         self.tools_seen: list[Sequence[dict] | None] = []
 
     def add(self, *answers: str | Sequence[str]) -> None:
@@ -53,6 +54,7 @@ class ScriptedEngine(Engine):
     ) -> Iterator[TokenDelta]:
         params.verify()
         self.prompts.append(list(prompt))
+        self.params.append(params)
         self.tools_seen.append(tools)
         if not self.script:
             raise EngineError("ScriptedEngine has no scripted answer left for this prompt.")

@@ -28,10 +28,11 @@ from assistant.engine.base import (
     Prompt,
     SamplingParams,
     TokenDelta,
+    check_biased_tokens,
 )
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
 from assistant.engine.loading import ChatTemplateEncoding, LoadedModel, eos_token_ids, load_model
-from assistant.engine.sampling import sample, token_logprobs
+from assistant.engine.sampling import adjusted, sample, token_logprobs
 
 
 def prefill(model: Any, input_ids: Any, cache: Any) -> Any:
@@ -71,6 +72,7 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
         cancel: threading.Event | None = None,
     ) -> Iterator[TokenDelta]:
         prompt_ids = self.checked_prompt_ids(prompt, params, tools)
+        check_biased_tokens(params, self.model.config.vocab_size)
         with self._lock:
             yield from self._generate_locked(prompt_ids, params, cancel)
 
@@ -89,14 +91,17 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
         stops = StopMatcher(params.stop)
         num_prompt = len(prompt_ids)
         cache = DynamicCache()
+        answer: list[int] = []  # the tokens so far, for the penalties
         with torch.inference_mode():
             logits = prefill(self.model, torch.tensor([prompt_ids], device=self.device), cache)
             for step in range(1, max_new + 1):
                 if cancel is not None and cancel.is_set():
                     yield TokenDelta("", (), FINISH_CANCELLED, num_prompt, step - 1)
                     return
-                token = sample(logits, params, generator)  # (1,)
+                chosen = adjusted(logits, params, answer) if params.adjusts_logits else logits
+                token = sample(chosen, params, generator)  # (1,)
                 token_id = int(token.item())
+                answer.append(token_id)
                 scored = () if params.logprobs is None else tuple(
                     token_logprobs(logits, [token_id], params.logprobs, self._token_text))
                 if token_id in self.eos_ids and not params.ignore_eos:

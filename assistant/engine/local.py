@@ -55,6 +55,7 @@ from assistant.engine.base import (
     SamplingParams,
     TokenDelta,
     TokenLogprob,
+    check_biased_tokens,
 )
 from assistant.engine.cuda_graphs import DecodeGraphs
 from assistant.engine.detokenize import IncrementalDetokenizer, StopMatcher
@@ -69,7 +70,8 @@ from assistant.engine.loading import (
     load_model,
 )
 from assistant.engine.model import SeqBatch, Transformer, argmax
-from assistant.engine.sampling import accept_greedy, accept_sampled, logits_to_probs, sample, token_logprobs
+from assistant.engine.sampling import (accept_greedy, accept_sampled, adjusted, logits_to_probs, sample,
+                                      token_logprobs)
 from assistant.engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 from assistant.engine.speculate import Speculator
 from assistant.engine.taps import HiddenTap
@@ -277,6 +279,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             raise ValueError(f"stop={params.stop!r} must be a sequence of non-empty strings.")
         if params.seed is not None and (isinstance(params.seed, bool) or not isinstance(params.seed, numbers.Integral)):
             raise ValueError(f"seed={params.seed!r} must be an integer.")
+        check_biased_tokens(params, vocab)
 
     def _stream(self, request: Request) -> Iterator[TokenDelta]:
         return _TokenStream(self, request)
@@ -434,11 +437,13 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             return self.model.forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), seqs, self.kv,
                                       greedy=[r.params.temperature == 0 and r.params.logprobs is None
-                                              for r, _ in scheduled])
+                                              and not r.params.adjusts_logits for r, _ in scheduled])
 
     def _process(self, scheduled: list[tuple[Request, int]], logits: Any) -> None:
         """Sample (or verify drafts), detokenise and stream per request, each under its own guard (see
-        `_loop`). logits has 1 + len(draft_ids) rows per request, in batch order."""
+        `_loop`). logits has 1 + len(draft_ids) rows per request, in batch order; a request's tokens come
+        from its rows after its penalties and logit bias, its logprobs from the raw rows."""
+        raw, logits = logits, self._adjusted(scheduled, logits)
         greedy = argmax(logits)  # batched: a failure fails the step
         ready = []
         with self._cond:
@@ -468,11 +473,25 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                     else:
                         tokens = [int(sample(logits[i:i + 1], r.params, r.state.generator).item())]
                 scored = () if r.params.logprobs is None else tuple(
-                    token_logprobs(logits[i:], tokens, r.params.logprobs, self._token_text))
+                    token_logprobs(raw[i:], tokens, r.params.logprobs, self._token_text))
                 self._append(r, tokens, scored)
             except Exception as e:  # this request's sampling / detokenising / stop strings
                 log.exception("request %s failed while producing its token", r.request_id)
                 self._fail(r, self._error("This request failed", e))
+
+    @staticmethod
+    def _adjusted(scheduled: list[tuple[Request, int]], logits: Any) -> Any:
+        """`logits` with each request's penalties and logit bias applied to its rows (a copy, when any
+        request has them)."""
+        if not any(r.params.adjusts_logits for r, _ in scheduled):
+            return logits
+        out, row = logits.clone(), 0
+        for r, _ in scheduled:
+            rows = 1 + len(r.draft_ids)
+            if r.params.adjusts_logits:
+                out[row:row + rows] = adjusted(logits[row:row + rows], r.params, r.output_ids, r.draft_ids)
+            row += rows
+        return out
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])

@@ -75,6 +75,12 @@ class RemoteEngine(Engine):
             body["seed"] = params.seed
         if params.logprobs is not None:
             body.update(logprobs=True, top_logprobs=params.logprobs)
+        if params.presence_penalty:
+            body["presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            body["frequency_penalty"] = params.frequency_penalty
+        if params.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in params.logit_bias}
         if prompt and prompt[-1].get(PREFIX):  # continue the final assistant message (vLLM's extension)
             body["messages"] = [{k: v for k, v in m.items() if k != PREFIX} for m in prompt]
             body.update(continue_final_message=True, add_generation_prompt=False)

@@ -1,5 +1,5 @@
-"""Turning logits into the next token: greedy, temperature, top-k, top-p (gpt-fast style functions), and
-the tokens' log-probabilities when a request asks for them."""
+"""Turning logits into the next token: OpenAI's penalties and logit bias, greedy, temperature, top-k, top-p
+(gpt-fast style functions), and the tokens' log-probabilities when a request asks for them."""
 
 from __future__ import annotations
 
@@ -24,6 +24,29 @@ def logits_to_probs(logits: Any, params: SamplingParams) -> Any:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits.softmax(-1)
+
+
+def adjusted(logits: Any, params: SamplingParams, answer: Sequence[int], drafts: Sequence[int] = ()) -> Any:
+    """One request's rows of logits ((1 + len(drafts), V): a step that verifies drafts) with OpenAI's
+    presence and frequency penalties and logit bias applied, as a new tensor. Row j follows the answer so
+    far and the first j drafts, so its penalties count those tokens, as plain decoding would."""
+    import torch
+
+    out = logits.float().clone()
+    vocab = out.size(-1)
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
+        out[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=out.device)
+    if params.presence_penalty or params.frequency_penalty:
+        seen = list(answer)
+        for j in range(out.size(0)):
+            if j:
+                seen.append(drafts[j - 1])
+            if not seen:
+                continue
+            counts = torch.bincount(torch.tensor(seen, device=out.device), minlength=vocab).float()
+            out[j] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return out
 
 
 def sample(logits: Any, params: SamplingParams, generator: Any = None) -> Any:

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from assistant.engine.base import MAX_TOP_LOGPROBS, SamplingParams
+from assistant.engine.base import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from assistant.seams import Attachment, UserInput
 
 MAX_TOKENS_DEFAULT = 512
@@ -198,6 +198,23 @@ class ChatCompletionRequest(_Strict):
     response_format: Optional[ResponseFormat] = None
     logprobs: Optional[bool] = None  # each generated token's log-probability (raw models only)
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # and its n most likely alternatives
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> -100..100, added to its logit
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"biases at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in value.items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids (integers as strings), not {token!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"token {token}'s bias {bias} is outside -100..100")
+        return value
 
     @model_validator(mode="after")
     def _few_images(self) -> "ChatCompletionRequest":
@@ -246,6 +263,9 @@ class ChatCompletionRequest(_Strict):
             stop=tuple(self.stop or ()),
             seed=self.seed,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
         )
         params.verify()  # cannot fail after the checks above; kept as the engines' own contract
         return params
