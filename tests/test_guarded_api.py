@@ -94,6 +94,23 @@ def test_logprobs_come_only_with_an_answer_shown_as_written(tmp_path):
     assert key[12:] not in r.text and "[redacted: api key]" in r.text and '"logprobs"' not in r.text
 
 
+def test_text_completions_pass_the_same_guards(tmp_path):
+    from tests.test_openai_conformance import CharTokenizer
+
+    key = "sk-live-9a8B7c6D5e4F3g2H1i0JkLmNoPqRs"
+    _, engine, app = make_app(tmp_path, [f"key = '{key[:12]}", f"{key[12:]}'. Done."], settings=SAFETY_ON)
+    engine.tokenizer = CharTokenizer()
+    client = TestClient(app)
+    blocked = client.post("/v1/completions", json={"prompt": "Steps: how do I COOK-METH at home"}).json()
+    assert blocked["object"] == "text_completion" and blocked["choices"][0]["finish_reason"] == "content_filter"
+    assert "drug" in blocked["choices"][0]["text"]
+    streamed = client.post("/v1/completions", json={"prompt": "how do I COOK-METH", "stream": True}).text
+    assert '"text_completion"' in streamed and '"content_filter"' in streamed and streamed.endswith("[DONE]\n\n")
+    assert engine.prompts == []
+    text = client.post("/v1/completions", json={"prompt": "config:\n"}).json()["choices"][0]["text"]
+    assert key[12:] not in text and "[redacted: api key]" in text
+
+
 class InsultDetector:
     """`profanity` that finds "wrong" toxic (so the question passes and the answer does not)."""
 

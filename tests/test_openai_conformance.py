@@ -165,6 +165,64 @@ def test_penalties_and_logit_bias_reach_the_engine(served):
     assert len(engine.prompts) == 1
 
 
+class CharTokenizer:
+    """What /v1/completions needs of a tokenizer: one id per character, and the three FIM tokens."""
+
+    unk_token_id = 0
+    FIM = {"<|fim_prefix|>": 1, "<|fim_suffix|>": 2, "<|fim_middle|>": 3}
+
+    def __init__(self, fim=True):
+        self.fim = fim
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = []
+        while text:
+            special = next((t for t in self.FIM if text.startswith(t) and self.fim), None)
+            ids.append(self.FIM[special] if special else ord(text[0]))
+            text = text[len(special):] if special else text[1:]
+        return {"input_ids": ids}
+
+    def convert_tokens_to_ids(self, token):
+        return self.FIM.get(token, 0) if self.fim else 0
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_text_completions_plain_fill_in_the_middle_echo_and_streamed(served):
+    _, engine, client, url = served
+    engine.tokenizer = CharTokenizer()
+    engine.add(["lo", " world"], ["a + b"], ["lo"], ["lo", " world"])
+    r = client.completions.create(model="qwen2.5-coder-0.5b", prompt="Hel")
+    assert r.object == "text_completion" and r.choices[0].text == "lo world" and r.choices[0].finish_reason == "stop"
+    assert engine.prompts[-1] == [ord(c) for c in "Hel"] and engine.params[-1].max_tokens == 16  # OpenAI's default
+    assert r.usage.completion_tokens == 2 and r.choices[0].logprobs is None
+    r = client.completions.create(model="qwen2.5-coder-0.5b", prompt="def add(a, b):\n    return ", suffix="\n")
+    assert r.choices[0].text == "a + b"
+    assert engine.prompts[-1] == [1, *map(ord, "def add(a, b):\n    return "), 2, ord("\n"), 3]
+    r = client.completions.create(model="qwen2.5-coder-0.5b", prompt="Hel", echo=True, max_tokens=3)
+    assert r.choices[0].text == "Hello" and engine.params[-1].max_tokens == 3
+    chunks = list(client.completions.create(model="qwen2.5-coder-0.5b", prompt="Hel", logprobs=1, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "lo world"
+    scored = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in scored for t in lp.tokens] == ["lo", " world"]
+    assert [o for lp in scored for o in lp.text_offset] == [0, 2]
+    assert scored[0].top_logprobs == [{"lo": pytest.approx(math.log(0.5))}]
+    assert chunks[-1].usage.completion_tokens == 2
+    post = lambda body: httpx.post(f"{url}/v1/completions", json=body)  # noqa: E731
+    for body, param in (({"prompt": "x", "model": "assistant"}, "model"), ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+                        ({"prompt": "x", "logprobs": 6}, "logprobs"), ({"prompt": ["a", "b"]}, "prompt"),
+                        ({"prompt": [5, 6], "suffix": "y"}, "suffix"), ({"prompt": "x", "model": "gpt-3.5-turbo-instruct"},
+                                                                        "model")):
+        assert assert_openai_error(post(body), 404 if body.get("model", "").startswith("gpt") else 400)["param"] == param
+    engine.tokenizer = CharTokenizer(fim=False)
+    assert "fill-in-the-middle" in assert_openai_error(post({"prompt": "x", "suffix": "y"}), 400)["message"]
+    del engine.tokenizer  # a remote engine has none
+    assert "/v1/chat/completions" in assert_openai_error(post({"prompt": "x"}), 400)["message"]
+    assert len(engine.prompts) == 4
+
+
 def test_models_list_the_chat_models_the_assistant_and_the_embedder(served):
     _, _, client, _ = served
     ids = [m.id for m in client.models.list()]
@@ -273,6 +331,12 @@ def test_the_sdk_against_the_real_model(real_client):
         assert t.logprob <= 0 and len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
         assert [a.logprob for a in t.top_logprobs] == sorted((a.logprob for a in t.top_logprobs), reverse=True)
 
+    # a text completion, filled in between a prefix and a suffix with the coder model's FIM tokens
+    middle = client.completions.create(model=model, prompt="def add(a, b):\n    return ", max_tokens=8,
+                                       suffix="\n\n\nprint(add(2, 3))\n", logprobs=2)
+    assert "a + b" in middle.choices[0].text.replace("a+b", "a + b"), middle.choices[0].text
+    assert "".join(middle.choices[0].logprobs.tokens) == middle.choices[0].text
+
     ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
     forced = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER], max_tokens=40,
                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -295,9 +359,10 @@ def test_the_sdk_against_the_real_model(real_client):
     emb = client.embeddings.create(model="all-minilm-l6-v2", input=["The cat sat on the mat.", "A feline rested."])
     assert len(emb.data[0].embedding) == 384 and emb.usage.prompt_tokens > 5
     rows = assistant.usage.rows()
-    assert [(r.model, r.status) for r in rows][1:4] == [(model, "length")] + [(model, "tool_calls")] * 2
+    assert [(r.model, r.status) for r in rows][1:5] == [(model, "length"), (model, middle.choices[0].finish_reason
+                                                        .replace("stop", "ok"))] + [(model, "tool_calls")] * 2
     assert rows[-1].model == "all-minilm-l6-v2" and rows[-1].prompt_tokens == emb.usage.prompt_tokens
-    assert len(rows) == 6 and sum(r.completion_tokens for r in rows) > 10
+    assert len(rows) == 7 and sum(r.completion_tokens for r in rows) > 10
 
 
 def test_template_messages_turn_string_arguments_into_objects_and_mark_a_prefix():

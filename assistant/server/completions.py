@@ -65,6 +65,17 @@ def logprobs_of(scored: Sequence[TokenLogprob]) -> dict[str, Any]:
                         for s in scored], "refusal": None}
 
 
+def legacy_logprobs(scored: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """/v1/completions' `choices[].logprobs`: parallel lists, each token's alternatives as a dict, and where
+    each token's text starts in the reply (`offset`: the first one's)."""
+    starts, at = [], offset
+    for s in scored:
+        starts.append(at)
+        at += len(s.token)
+    return {"tokens": [s.token for s in scored], "token_logprobs": [s.logprob for s in scored],
+            "top_logprobs": [dict(s.top) for s in scored], "text_offset": starts}
+
+
 def usage_of(last: TokenDelta) -> dict[str, Any]:
     return {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_generated_tokens,
             "total_tokens": last.num_prompt_tokens + last.num_generated_tokens,
@@ -80,6 +91,20 @@ class Shape:
     tool_names: tuple[str, ...] = ()
     prefix: str = ""  # prefilled start of the reply (a forced call's opening, or "{")
     forced: bool = False  # the prefix opens a tool call
+    text: bool = False  # a /v1/completions reply (text_completion chunks, OpenAI's legacy logprobs)
+
+    def chunk(self, content: str | None, finish: str | None, scored: Sequence[TokenLogprob] = (),
+              offset: int = 0) -> str:
+        """One stream event: `content` (None: a chunk with no content, as the end of a chat reply), its
+        tokens' logprobs (`offset`: where its text starts in the reply, for the legacy shape)."""
+        if not self.text:
+            return chunk(self.cid, self.model, {} if content is None else {"content": content}, finish,
+                         logprobs_of(scored) if scored else None)
+        choice = {"index": 0, "text": content or "", "finish_reason": finish,
+                  "logprobs": legacy_logprobs(scored, offset) if scored else None}
+        body = {"id": self.cid, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": [choice]}
+        return f"data: {json.dumps(body)}\n\n"
 
     @classmethod
     def of(cls, req: Any, cid: str, model: str) -> "Shape":
@@ -144,10 +169,12 @@ def sse(deltas: Iterator[TokenDelta], shape: Shape, include_usage: bool, ticket:
     last, ended, failed = TokenDelta(""), None, False
     started = time.perf_counter() if started is None else started
     previous = None
+    shown = len(shape.prefix)  # characters of the reply streamed so far (the legacy logprobs' offsets)
     try:  # from the first yield on: a client gone after the first chunk still gets the `finally`
-        yield chunk(cid, model, {"role": "assistant", "content": ""}, None)
+        if not shape.text:
+            yield chunk(cid, model, {"role": "assistant", "content": ""}, None)
         if shape.prefix and not shape.forced:
-            yield chunk(cid, model, {"content": shape.prefix}, None)
+            yield shape.chunk(shape.prefix, None)
         for last in deltas:
             if last.text and metrics is not None:
                 now = time.perf_counter()
@@ -163,8 +190,10 @@ def sse(deltas: Iterator[TokenDelta], shape: Shape, include_usage: bool, ticket:
                 if shown:
                     yield chunk(cid, model, {"content": shown}, None)
             elif last.text or last.finish_reason or last.logprobs:
-                yield chunk(cid, model, {"content": last.text} if last.text else {}, finish_reason(last.finish_reason),
-                            logprobs_of(last.logprobs) if last.logprobs else None)
+                yield shape.chunk(last.text or None, finish_reason(last.finish_reason), last.logprobs,
+                                  shown - sum(len(s.token) for s in last.logprobs) + len(last.text)
+                                  if last.logprobs else shown)
+                shown += len(last.text)
             if last.finish_reason:
                 ended = last.finish_reason
         if shape.forced or splitter is not None:
@@ -194,6 +223,7 @@ def sse(deltas: Iterator[TokenDelta], shape: Shape, include_usage: bool, ticket:
             status = "error" if failed else status_of(ended) if ended else "cancelled"
             ticket.finish(status, last.num_prompt_tokens, last.num_cached_tokens, last.num_generated_tokens)
     if include_usage:
-        usage = {"id": cid, "object": "chat.completion.chunk", "model": model, "choices": [], "usage": usage_of(last)}
+        usage = {"id": cid, "object": "text_completion" if shape.text else "chat.completion.chunk", "model": model,
+                 "choices": [], "usage": usage_of(last)}
         yield f"data: {json.dumps(usage)}\n\n"
     yield "data: [DONE]\n\n"

@@ -92,9 +92,10 @@ def _shown(events: Any) -> tuple[str, bool]:
     return "".join(text), stopped
 
 
-def blocked_completion(verdict: Any, *, model: str, stream: bool, ticket: Any) -> Any:
+def blocked_completion(verdict: Any, *, model: str, stream: bool, ticket: Any, text: bool = False) -> Any:
     """The answer to a request the input guard blocked: the refusal (it names the category and what to
-    do instead) as the assistant's message, `finish_reason: "content_filter"`."""
+    do instead) as the assistant's message, `finish_reason: "content_filter"`; `text`: as a /v1/completions
+    reply."""
     import time
     import uuid
 
@@ -103,10 +104,22 @@ def blocked_completion(verdict: Any, *, model: str, stream: bool, ticket: Any) -
     from assistant.server.completions import chunk
     from assistant.server.streaming import ClosingStreamingResponse
 
+    from assistant.server.completions import Shape
+
     ticket.finish("blocked")
-    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    cid = f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
     safety = {"category": verdict.category, "score": verdict.score, "threshold": verdict.threshold,
               "detector": verdict.detector}
+    if text:
+        shape = Shape(cid, model, text=True)
+        if stream:
+            return ClosingStreamingResponse(iter([shape.chunk(verdict.reason, CONTENT_FILTER), "data: [DONE]\n\n"]),
+                                            media_type="text/event-stream", headers=ticket.headers)
+        return JSONResponse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                             "choices": [{"index": 0, "text": verdict.reason, "logprobs": None,
+                                          "finish_reason": CONTENT_FILTER}],
+                             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                             "safety": safety}, headers=ticket.headers)
     if stream:
         def chunks() -> Iterator[str]:
             yield chunk(cid, model, {"role": "assistant", "content": verdict.reason}, None)

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions (SSE streaming), /v1/embeddings.
+"""OpenAI-compatible HTTP API: /v1/models, /v1/chat/completions (SSE streaming), /v1/completions (text and
+fill-in-the-middle, text_completions.py), /v1/embeddings.
 
 Pictures (`image_url` parts with data: URLs) are described by the vision backend (labels, text read)
 and the description goes into the message's text, as for a picture uploaded in the web chat; with the
@@ -31,7 +32,7 @@ import base64
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -41,13 +42,15 @@ from assistant.engine.base import Engine
 from assistant.errors import AssistantError, ConfigError, EngineBusy, ModelError
 from assistant.server.assistant_model import ASSISTANT_MODEL, assistant_completion
 from assistant.server.auth import UNAUTHORIZED
-from assistant.server.completions import (Shape, drain, error_body, logprobs_of, message_of, sse, status_of,
-                                          usage_of)
+from assistant.server.completions import (Shape, drain, error_body, finish_reason, legacy_logprobs, logprobs_of,
+                                          message_of, sse, status_of, usage_of)
 from assistant.server.gateway import Gateway, Refusal, Ticket
 from assistant.server.guarded import blocked_completion, check_input, guard_deltas, system_texts
 from assistant.server.response_cache import ResponseCache, recording, replay
-from assistant.server.schemas import MAX_TOKENS_DEFAULT, RequestError, parse_chat_request, parse_embeddings_request
+from assistant.server.schemas import (MAX_TOKENS_DEFAULT, RequestError, parse_chat_request, parse_embeddings_request,
+                                      parse_text_request)
 from assistant.server.streaming import ClosingStreamingResponse
+from assistant.server.text_completions import NEEDS_LOCAL, NO_ECHO_LOGPROBS, guarded_text, prompt_ids
 
 log = logging.getLogger(__name__)
 __all__ = ["ASSISTANT_MODEL", "MAX_TOKENS_DEFAULT", "create_api", "error_body"]
@@ -61,6 +64,8 @@ except ImportError:  # pragma: no cover
 
 NO_ASSISTANT_LOGPROBS = ("logprobs describe a raw model's tokens ({models}); the `assistant` model's answer is "
                          "rewritten after the model writes it (citations, grounding), so they would not describe it.")
+NO_ASSISTANT_TEXT = ("The `assistant` model answers messages: send them to /v1/chat/completions, or ask one of "
+                     "the raw models ({models}) for a text completion.")
 NO_TOOL_LOGPROBS = "logprobs are not given with `tools`: ask without tools, or leave logprobs out."
 
 
@@ -137,19 +142,40 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
             return principal
         return listing(model) if model in model_ids() and principal.may_use(model) else _unknown_model(model)
 
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request) -> Any:
+    async def read(request: Request, parse: Callable[[bytes], Any]) -> Any:
+        """(caller, raw body, request, its SamplingParams), or the error response to send instead."""
         principal = who(request)
         if isinstance(principal, JSONResponse):
             return principal
         raw = await request.body()
         try:
-            req = parse_chat_request(raw)
-            params = req.sampling_params()
+            req = parse(raw)
+            return principal, raw, req, req.sampling_params()
         except RequestError as e:
             return _error(400, e.message, param=e.param)
         except ValueError as e:  # SamplingParams.verify: unreachable after the schema, kept as a guard
             return _error(400, str(e))
+
+    async def guards(principal: Any, model: str, req: Any, ticket: Ticket, messages: list[dict], protect: list[str],
+                     text: bool = False) -> tuple[Any, Any]:
+        """(the request's OutputGuard or None, the blocked reply to send instead or None): the same guards
+        as a turn (assistant/server/guarded.py) when the server has its safety layer."""
+        safety = getattr(assistant, "safety", None)
+        if safety is None:
+            return None, None
+        policy = gateway.safety_policy(principal)
+        verdict = await run_in_threadpool(check_input, safety, policy, principal.key_id, messages)
+        if not verdict.allowed:
+            return None, await run_in_threadpool(lambda: blocked_completion(verdict, model=model, stream=req.stream,
+                                                                            ticket=ticket, text=text))
+        return safety.output_guard_for(policy, protect=protect), None
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        got = await read(request, parse_chat_request)
+        if isinstance(got, JSONResponse):
+            return got
+        principal, raw, req, params = got
         model = req.model or model_name
         if model not in chat_models + ([ASSISTANT_MODEL] if assistant is not None else []) or not principal.may_use(model):
             return _unknown_model(model)
@@ -179,19 +205,49 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
                 return await run_in_threadpool(assistant_completion, assistant, messages, params, req.stream,
                                                ticket=ticket, gateway=gateway, metrics=gateway.metrics,
                                                images=last_pictures)
-            safety = getattr(assistant, "safety", None)
-            out = None
-            if safety is not None:  # the same guards as a turn (assistant/server/guarded.py)
-                policy = gateway.safety_policy(principal)
-                verdict = await run_in_threadpool(check_input, safety, policy, principal.key_id, messages)
-                if not verdict.allowed:
-                    return await run_in_threadpool(lambda: blocked_completion(verdict, model=model, stream=req.stream,
-                                                                              ticket=ticket))
-                out = safety.output_guard_for(policy, protect=system_texts(messages))
+            out, blocked = await guards(principal, model, req, ticket, messages, system_texts(messages))
+            if blocked is not None:
+                return blocked
             cached, record = ((None, None) if any(pictures) else
                               await run_in_threadpool(cache_lookup, principal, model, messages, params, req))
             return await _raw_completion(engine_for(model), req, messages, params, model, ticket, gateway, request,
                                          cached=cached, record=record, out=out)
+        except BaseException:
+            await run_in_threadpool(ticket.finish, "error")  # no-op when the response already finished it
+            raise
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Any:
+        """OpenAI's text completion (assistant/server/text_completions.py)."""
+        got = await read(request, parse_text_request)
+        if isinstance(got, JSONResponse):
+            return got
+        principal, _, req, params = got
+        model = req.model or model_name
+        if model == ASSISTANT_MODEL and assistant is not None:
+            return _error(400, NO_ASSISTANT_TEXT.format(models=", ".join(chat_models)), param="model")
+        if model not in chat_models or not principal.may_use(model):
+            return _unknown_model(model)
+        target = engine_for(model)
+        tokenizer = getattr(target, "tokenizer", None)
+        if tokenizer is None:
+            return _error(400, NEEDS_LOCAL.format(model=model), param="model")
+        if req.echo and req.logprobs is not None:
+            return _error(400, NO_ECHO_LOGPROBS, param="echo")
+        try:
+            ids = await run_in_threadpool(prompt_ids, tokenizer, req, model)
+        except ValueError as e:
+            return _error(400, str(e), param="suffix" if req.suffix is not None else "prompt")
+        echo = (req.prompt_text if req.prompt_text is not None else tokenizer.decode(ids)) if req.echo else ""
+        ticket = await gateway.admit(request, principal, model, len(ids) + params.max_tokens)
+        if isinstance(ticket, Refusal):
+            return _refused(ticket)
+        try:
+            out, blocked = await guards(principal, model, req, ticket, guarded_text(req), [], text=True)
+            if blocked is not None:
+                return blocked
+            return await _raw_completion(target, req, [], params, model, ticket, gateway, request, out=out,
+                                         text=(ids, echo))
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")  # no-op when the response already finished it
             raise
@@ -257,12 +313,16 @@ def response_cache_of(assistant: Any, embedding_model: str | None) -> ResponseCa
 
 async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params: Any, model: str, ticket: Ticket,
                           gateway: Gateway, request: Request, cached: Any = None, record: Any = None,
-                          out: Any = None) -> Any:
+                          out: Any = None, text: tuple[list[int], str] | None = None) -> Any:
     """`cached`: the deltas of an answer from the response cache (the engine is not asked); `record`: wraps
     the engine's deltas to store the answer when it completes; `out`: the request's OutputGuard (None:
-    safety is off), applied before the cache records, so the cache only holds guarded answers."""
-    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    shape = Shape.of(req, cid, model)
+    safety is off), applied before the cache records, so the cache only holds guarded answers. `text`:
+    a /v1/completions request instead (text_completions.py): its prompt's token ids and the text it echoes."""
+    if text is not None:
+        shape = Shape(f"cmpl-{uuid.uuid4().hex[:24]}", model, prefix=text[1], text=True)
+    else:
+        shape = Shape.of(req, f"chatcmpl-{uuid.uuid4().hex[:24]}", model)
+    cid = shape.cid
 
     async def refuse(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                      ledger: str = "invalid", headers: dict[str, str] | None = None) -> JSONResponse:
@@ -271,7 +331,8 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
 
     try:  # the chat template and tokenising run here: off the event loop
         deltas = cached if cached is not None else await run_in_threadpool(
-            engine.generate, shape.messages(messages), params, tools=req.engine_tools())
+            engine.generate, text[0] if text is not None else shape.messages(messages), params,
+            tools=None if text is not None else req.engine_tools())
         if out is not None and cached is None:
             deltas = guard_deltas(deltas, out)
         if record is not None:
@@ -291,7 +352,7 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
         return ClosingStreamingResponse(sse(deltas, shape, req.include_usage, ticket, gateway.metrics, started),
                                  media_type="text/event-stream", headers=ticket.headers)
     try:  # the drain waits for every token: in the threadpool, never on the event loop
-        text, last, scored = await run_in_threadpool(drain, deltas)
+        reply, last, scored = await run_in_threadpool(drain, deltas)
     except EngineBusy as e:
         return await refuse(503, str(e), "overloaded", ledger="busy", headers={"retry-after": "1"})
     except ValueError as e:  # an engine that validates lazily (on first iteration)
@@ -301,13 +362,18 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
     except Exception as e:
         log.exception("generation failed")
         return await refuse(500, f"Generation failed: {type(e).__name__}: {e}", "server_error", ledger="error")
-    message, finish = message_of(shape, text, last.finish_reason)
+    scored = scored if params.logprobs is not None else []  # none when the output guard held them back
+    if shape.text:
+        finish = finish_reason(last.finish_reason)
+        choice = {"index": 0, "text": shape.prefix + reply, "finish_reason": finish,
+                  "logprobs": legacy_logprobs(scored, len(shape.prefix)) if scored else None}
+    else:
+        message, finish = message_of(shape, reply, last.finish_reason)
+        choice = {"index": 0, "message": message, "finish_reason": finish,
+                  "logprobs": logprobs_of(scored) if scored else None}
     await run_in_threadpool(ticket.finish, status_of(finish), last.num_prompt_tokens, last.num_cached_tokens,
                             last.num_generated_tokens)
     return JSONResponse({
-        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                     # none when the output guard held them back (a stopped or redacted answer)
-                     "logprobs": logprobs_of(scored) if params.logprobs is not None and scored else None}],
-        "usage": usage_of(last),
+        "id": cid, "object": "text_completion" if shape.text else "chat.completion", "created": int(time.time()),
+        "model": model, "choices": [choice], "usage": usage_of(last),
     }, headers=ticket.headers)

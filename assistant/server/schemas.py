@@ -179,25 +179,19 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatCompletionRequest(_Strict):
-    messages: list[Message] = Field(min_length=1)
+class _Sampled(_Strict):
+    """The sampling fields /v1/chat/completions and /v1/completions share."""
+
     model: Optional[str] = None
     temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: Optional[int] = Field(None, ge=0)
     max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
     stop: Optional[list[str]] = None  # a single string is accepted and wrapped (see below)
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)  # torch.Generator.manual_seed's range
     n: Optional[int] = Field(None, ge=1, le=1)  # one choice per request
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    tools: Optional[list[Tool]] = None
-    tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: Optional[bool] = None  # accepted; the model may make several calls either way
-    response_format: Optional[ResponseFormat] = None
-    logprobs: Optional[bool] = None  # each generated token's log-probability (raw models only)
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # and its n most likely alternatives
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> -100..100, added to its logit
@@ -215,6 +209,49 @@ class ChatCompletionRequest(_Strict):
             if not -100 <= bias <= 100:
                 raise ValueError(f"token {token}'s bias {bias} is outside -100..100")
         return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = [value]
+        if (not isinstance(value, list) or len(value) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in value)):
+            raise ValueError(f"must be a non-empty string or a list of up to {MAX_STOP_STRINGS} non-empty strings")
+        return value
+
+    def _params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = SamplingParams(
+            temperature=self.temperature if self.temperature is not None else 0.0,
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            top_k=self.top_k or 0,
+            max_tokens=max_tokens,
+            stop=tuple(self.stop or ()),
+            seed=self.seed,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
+        )
+        params.verify()  # cannot fail after the checks above; kept as the engines' own contract
+        return params
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampled):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None  # accepted; the model may make several calls either way
+    response_format: Optional[ResponseFormat] = None
+    logprobs: Optional[bool] = None  # each generated token's log-probability (raw models only)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # and its n most likely alternatives
 
     @model_validator(mode="after")
     def _few_images(self) -> "ChatCompletionRequest":
@@ -242,33 +279,9 @@ class ChatCompletionRequest(_Strict):
             raise ValueError("needs `logprobs: true`")
         return value
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_strings(cls, value: Any) -> Any:
-        if value is None:
-            return None
-        if isinstance(value, str):
-            value = [value]
-        if (not isinstance(value, list) or len(value) > MAX_STOP_STRINGS
-                or not all(isinstance(s, str) and s for s in value)):
-            raise ValueError(f"must be a non-empty string or a list of up to {MAX_STOP_STRINGS} non-empty strings")
-        return value
-
     def sampling_params(self) -> SamplingParams:
-        params = SamplingParams(
-            temperature=self.temperature if self.temperature is not None else 0.0,
-            top_p=self.top_p if self.top_p is not None else 1.0,
-            top_k=self.top_k or 0,
-            max_tokens=self.max_tokens or self.max_completion_tokens or MAX_TOKENS_DEFAULT,
-            stop=tuple(self.stop or ()),
-            seed=self.seed,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            logit_bias=tuple((int(t), float(b)) for t, b in (self.logit_bias or {}).items()),
-        )
-        params.verify()  # cannot fail after the checks above; kept as the engines' own contract
-        return params
+        return self._params(self.max_tokens or self.max_completion_tokens or MAX_TOKENS_DEFAULT,
+                            (self.top_logprobs or 0) if self.logprobs else None)
 
     def engine_messages(self) -> list[dict[str, Any]]:
         return [m.for_engine() for m in self.messages]
@@ -294,9 +307,54 @@ class ChatCompletionRequest(_Strict):
     def wants_json(self) -> bool:
         return self.response_format is not None and self.response_format.type != "text"
 
+TEXT_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions
+MAX_TEXT_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
+
+
+class TextCompletionRequest(_Sampled):
+    """/v1/completions: the model continues `prompt` as it stands (no chat template); with `suffix`, it
+    fills in what goes between the two (fill-in-the-middle)."""
+
+    prompt: Union[str, list[str], list[int]]
+    suffix: Optional[str] = None
+    echo: Optional[bool] = None
+    best_of: Optional[int] = Field(None, ge=1, le=1)  # one candidate per request
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TEXT_LOGPROBS)
+    user: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be empty")
+        if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
+            raise ValueError("one prompt per request: send a string, or a list of one string")
+        if (isinstance(value, str) or isinstance(value, list) and isinstance(value[0], str)) and not (
+                value if isinstance(value, str) else value[0]):
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_plain(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and info.data.get("suffix") is not None:
+            raise ValueError("cannot echo a fill-in-the-middle prompt: leave `echo` or `suffix` out")
+        return value
+
     @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def prompt_text(self) -> str | None:
+        """The prompt as text; None when it was sent as token ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.prompt[0] if isinstance(self.prompt[0], str) else None
+
+    def sampling_params(self) -> SamplingParams:
+        return self._params(self.max_tokens or TEXT_MAX_TOKENS_DEFAULT, self.logprobs)
+
+
+def parse_text_request(raw: bytes) -> TextCompletionRequest:
+    """Decode and validate a /v1/completions body, or raise RequestError."""
+    return _validate(TextCompletionRequest, _decode(raw))
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
