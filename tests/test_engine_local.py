@@ -136,6 +136,48 @@ def test_logprobs_leave_the_tokens_alone_and_are_the_models_distribution(engine,
         assert [t for t, _ in first.top] == [engine.tokenizer.decode([int(i)]) for i in best.indices]
 
 
+def _reference_prompt_logprobs(tiny_config, ids):
+    import torch
+
+    from assistant.engine.loading import load_model
+
+    with torch.inference_mode():
+        logits = load_model(tiny_config).model(torch.tensor([ids])).logits[0].float()
+    rows = torch.log_softmax(logits, -1)
+    return [float(rows[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+
+def test_prompt_logprobs_score_every_prompt_token(engine, tiny_config):
+    """prompt_logprobs: every prompt token after the first, scored as the reference model scores it, on the
+    first delta, also when the prompt was cached before; the answer is the same as without."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = _tokens(_run(engine, params)[1])
+    for _ in range(2):  # the second time the prompt's blocks are in the prefix cache: scored all the same
+        deltas = _run(engine, replace(params, prompt_logprobs=1))[1]
+        assert _tokens(deltas) == plain and all(not d.prompt_logprobs for d in deltas[1:])
+        ids = engine.checked_prompt_ids(MESSAGES, params, None)
+        scored = deltas[0].prompt_logprobs
+        assert [s.token for s in scored] == [engine.tokenizer.decode([t]) for t in ids[1:]]
+        assert all(len(s.top) == 1 and s.top[0][1] >= s.logprob for s in scored)
+    want = _reference_prompt_logprobs(tiny_config, ids)
+    tolerance = 5e-2 if getattr(engine, "quantize", None) == "int8" else 1e-4
+    assert max(abs(s.logprob - w) for s, w in zip(scored, want)) < tolerance
+
+
+def test_prompt_logprobs_across_prefill_chunks_and_beside_other_requests(batched, tiny_config):
+    """Eight-token prefill chunks: the scores of every chunk, in order, while another request decodes."""
+    long = [{"role": "user", "content": "Count the words of this sentence, one by one, please: " * 3}]
+    other = batched.generate(MESSAGES, SamplingParams(max_tokens=30, ignore_eos=True))
+    deltas = list(batched.generate(long, SamplingParams(max_tokens=2, prompt_logprobs=0)))
+    assert len(_tokens(list(other))) == 30
+    ids = batched.checked_prompt_ids(long, SamplingParams(), None)
+    scored = deltas[0].prompt_logprobs
+    assert len(ids) > 40 and len(scored) == len(ids) - 1 and all(s.top == () for s in scored)
+    want = _reference_prompt_logprobs(tiny_config, ids)
+    tolerance = 5e-2 if batched.quantize == "int8" else 1e-4
+    assert max(abs(s.logprob - w) for s, w in zip(scored, want)) < tolerance
+
+
 def test_logit_bias_and_penalties_steer_every_engine_alike(engine, tiny_config):
     """A +100 bias makes a token the answer, -100 bans one; the penalties change the greedy answer, and
     the batched engine gives the one-at-a-time reference loop's answer token for token."""

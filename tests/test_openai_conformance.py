@@ -211,7 +211,7 @@ def test_text_completions_plain_fill_in_the_middle_echo_and_streamed(served):
     assert scored[0].top_logprobs == [{"lo": pytest.approx(math.log(0.5))}]
     assert chunks[-1].usage.completion_tokens == 2
     post = lambda body: httpx.post(f"{url}/v1/completions", json=body)  # noqa: E731
-    for body, param in (({"prompt": "x", "model": "assistant"}, "model"), ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    for body, param in (({"prompt": "x", "model": "assistant"}, "model"), ({"prompt": "x", "max_tokens": 0}, None),
                         ({"prompt": "x", "logprobs": 6}, "logprobs"), ({"prompt": ["a", "b"]}, "prompt"),
                         ({"prompt": [5, 6], "suffix": "y"}, "suffix"), ({"prompt": "x", "model": "gpt-3.5-turbo-instruct"},
                                                                         "model")):
@@ -336,6 +336,17 @@ def test_the_sdk_against_the_real_model(real_client):
                                        suffix="\n\n\nprint(add(2, 3))\n", logprobs=2)
     assert "a + b" in middle.choices[0].text.replace("a+b", "a + b"), middle.choices[0].text
     assert "".join(middle.choices[0].logprobs.tokens) == middle.choices[0].text
+    # the prompt scored, nothing written (what evaluation harnesses ask): Paris is likelier than Berlin
+    likely = {}
+    for city in ("Paris", "Berlin"):
+        text = f"The capital of France is {city}."
+        scored = client.completions.create(model=model, prompt=text, echo=True, logprobs=1, max_tokens=0)
+        lp = scored.choices[0].logprobs
+        assert scored.choices[0].text == text and "".join(lp.tokens) == text and scored.usage.completion_tokens == 0
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[:2] == [0, len(lp.tokens[0])]
+        assert len(lp.tokens) == scored.usage.prompt_tokens and all(v <= 0 for v in lp.token_logprobs[1:])
+        likely[city] = sum(lp.token_logprobs[1:])
+    assert likely["Paris"] > likely["Berlin"] + 2, likely
 
     ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
     forced = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER], max_tokens=40,
@@ -359,10 +370,11 @@ def test_the_sdk_against_the_real_model(real_client):
     emb = client.embeddings.create(model="all-minilm-l6-v2", input=["The cat sat on the mat.", "A feline rested."])
     assert len(emb.data[0].embedding) == 384 and emb.usage.prompt_tokens > 5
     rows = assistant.usage.rows()
-    assert [(r.model, r.status) for r in rows][1:5] == [(model, "length"), (model, middle.choices[0].finish_reason
-                                                        .replace("stop", "ok"))] + [(model, "tool_calls")] * 2
+    assert [(r.model, r.status) for r in rows][1:7] == [(model, "length"), (model, middle.choices[0].finish_reason
+                                                        .replace("stop", "ok"))] + [(model, "length")] * 2 + [
+        (model, "tool_calls")] * 2
     assert rows[-1].model == "all-minilm-l6-v2" and rows[-1].prompt_tokens == emb.usage.prompt_tokens
-    assert len(rows) == 7 and sum(r.completion_tokens for r in rows) > 10
+    assert len(rows) == 9 and sum(r.completion_tokens for r in rows) > 10
 
 
 def test_template_messages_turn_string_arguments_into_objects_and_mark_a_prefix():

@@ -37,6 +37,9 @@ class SamplingParams:
     # None: no log-probabilities; n >= 0: each token's log-probability under the model (its raw logits,
     # before temperature, top-k and top-p) and its n most likely alternatives (OpenAI's top_logprobs)
     logprobs: int | None = None
+    # None, or n >= 0: the log-probability of every prompt token after the first, with its n most likely
+    # alternatives (on the first delta; the whole prompt is computed, none of it from the prefix cache)
+    prompt_logprobs: int | None = None
     # OpenAI's penalties on the answer so far: a token's logit loses presence_penalty once it is in the answer
     # and frequency_penalty for each time it is; logit_bias adds (token id, bias) to a token's logit
     presence_penalty: float = 0.0
@@ -58,8 +61,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens={self.max_tokens} must be at least 1.")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs={self.logprobs} must be between 0 and {MAX_TOP_LOGPROBS} (None = off).")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name}={getattr(self, name)} must be between 0 and {MAX_TOP_LOGPROBS} (None = off).")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name}={getattr(self, name)} must be between -2 and 2 (0 = off).")
@@ -72,7 +76,7 @@ class TokenLogprob:
     """One generated token's log-probability and, when asked for, the most likely tokens at its place
     (the token itself among them when it is one of them), most likely first."""
     token: str  # the token's own text (may be part of a character: a byte-level token decodes to "\ufffd")
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which nothing before it predicts
     top: tuple[tuple[str, float], ...] = ()
 
 
@@ -100,6 +104,7 @@ class TokenDelta:
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids but an end-of-sequence token, when
     # SamplingParams.logprobs asks
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first delta: the prompt's tokens after its first
 
 
 class Engine(ABC):

@@ -35,10 +35,11 @@ from assistant.engine.loading import ChatTemplateEncoding, LoadedModel, eos_toke
 from assistant.engine.sampling import adjusted, sample, token_logprobs
 
 
-def prefill(model: Any, input_ids: Any, cache: Any) -> Any:
-    """Run the prompt (1, T) through the model, filling `cache`; return last-position logits (1, V)."""
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :]
+def prefill(model: Any, input_ids: Any, cache: Any, every: bool = False) -> Any:
+    """Run the prompt (1, T) through the model, filling `cache`; return last-position logits (1, V), or
+    with `every`, every position's (T, V)."""
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if every else 1)
+    return out.logits[0] if every else out.logits[:, -1, :]
 
 
 def decode_one_token(model: Any, token: Any, cache: Any) -> Any:
@@ -93,7 +94,12 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
         cache = DynamicCache()
         answer: list[int] = []  # the tokens so far, for the penalties
         with torch.inference_mode():
-            logits = prefill(self.model, torch.tensor([prompt_ids], device=self.device), cache)
+            every = params.prompt_logprobs is not None
+            logits = prefill(self.model, torch.tensor([prompt_ids], device=self.device), cache, every)
+            prompt_scored: tuple = ()
+            if every:  # row i predicts prompt token i + 1
+                prompt_scored = tuple(token_logprobs(logits, prompt_ids[1:], params.prompt_logprobs, self._token_text))
+                logits = logits[-1:]
             for step in range(1, max_new + 1):
                 if cancel is not None and cancel.is_set():
                     yield TokenDelta("", (), FINISH_CANCELLED, num_prompt, step - 1)
@@ -105,15 +111,18 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
                 scored = () if params.logprobs is None else tuple(
                     token_logprobs(logits, [token_id], params.logprobs, self._token_text))
                 if token_id in self.eos_ids and not params.ignore_eos:
-                    yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step)  # EOS: no logprob
+                    yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step,  # EOS: no logprob
+                                     prompt_logprobs=prompt_scored if step == 1 else ())
                     return
                 text = stops.push(detok.push(token_id))
                 if stops.stopped:
-                    yield TokenDelta(text, (token_id,), FINISH_STOP, num_prompt, step, logprobs=scored)
+                    yield TokenDelta(text, (token_id,), FINISH_STOP, num_prompt, step, logprobs=scored,
+                                     prompt_logprobs=prompt_scored if step == 1 else ())
                     return
                 if step == max_new:
                     yield TokenDelta(text + stops.flush(), (token_id,), FINISH_LENGTH, num_prompt, step,
-                                     logprobs=scored)
+                                     logprobs=scored, prompt_logprobs=prompt_scored if step == 1 else ())
                     return
-                yield TokenDelta(text, (token_id,), None, num_prompt, step, logprobs=scored)
+                yield TokenDelta(text, (token_id,), None, num_prompt, step, logprobs=scored,
+                                     prompt_logprobs=prompt_scored if step == 1 else ())
                 logits = decode_one_token(self.model, token.view(1, 1), cache)

@@ -42,7 +42,7 @@ import numbers
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 from assistant.config import AssistantConfig, EngineConfig, int8_residual_linears
@@ -102,6 +102,9 @@ class _Stream:
     generator: Any  # torch.Generator for seeded sampling, or None
     user_cancel: threading.Event | None
     tap: Any = None  # taps.HiddenTap filled while the prompt is prefilled, or None
+    rows: int = 1  # logits rows of the request in the current step (SeqBatch.num_logits)
+    prompt_scored: list = field(default_factory=list)  # TokenLogprob of prompt positions 1.. (prompt_logprobs)
+    prompt_sent: bool = False  # whether a delta carried them
 
 
 def resolve_quantize(quantize: str, device: Any) -> str | None:
@@ -239,6 +242,8 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         if params.seed is not None and params.temperature > 0:
             generator = self._torch.Generator(device=self.device).manual_seed(params.seed)
         request = Request(list(prompt_ids), params, max_len=self.context_window)
+        if params.prompt_logprobs is not None:
+            request.cache_limit = 0  # every prompt position is computed here: its logits score the next token
         if tap is not None:
             bad = next((n for n in tap.layers if not 0 < n <= self.model.args.num_layers), None)
             if bad is not None:
@@ -416,7 +421,10 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                 if len(new) != n or not all(isinstance(t, int) and 0 <= t < vocab for t in new):
                     raise ValueError(f"invalid token ids for positions {start}..{start + n - 1}")
                 slots = None if graphed else self.kv.slots(r.block_table, start + n)
-                seq = SeqBatch(len(tokens), n, start + n, slots, len(r.prompt_ids), num_logits=1 + len(r.draft_ids),
+                # a prefill chunk of a request that scores its prompt: every row; else the last (and the drafts')
+                rows = n if r.params.prompt_logprobs is not None and start < len(r.prompt_ids) else 1 + len(r.draft_ids)
+                r.state.rows = rows
+                seq = SeqBatch(len(tokens), n, start + n, slots, len(r.prompt_ids), num_logits=rows,
                                **(dict(zip(("tap", "tap_rows"), taps[r.request_id])) if r.request_id in taps else {}))
             except Exception as e:
                 log.exception("request %s failed while building its step inputs", r.request_id)
@@ -437,20 +445,25 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             return self.model.forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), seqs, self.kv,
                                       greedy=[r.params.temperature == 0 and r.params.logprobs is None
-                                              and not r.params.adjusts_logits for r, _ in scheduled])
+                                              and r.params.prompt_logprobs is None and not r.params.adjusts_logits
+                                              for r, _ in scheduled])
 
     def _process(self, scheduled: list[tuple[Request, int]], logits: Any) -> None:
         """Sample (or verify drafts), detokenise and stream per request, each under its own guard (see
-        `_loop`). logits has 1 + len(draft_ids) rows per request, in batch order; a request's tokens come
-        from its rows after its penalties and logit bias, its logprobs from the raw rows."""
+        `_loop`). logits has `state.rows` rows per request, in batch order: 1 + len(draft_ids), or a whole
+        prefill chunk when the request scores its prompt; its token comes from the last 1 + len(draft_ids)
+        of them after its penalties and logit bias, its logprobs from the raw rows."""
         raw, logits = logits, self._adjusted(scheduled, logits)
         greedy = argmax(logits)  # batched: a failure fails the step
         ready = []
         with self._cond:
             row = 0
             for r, n in scheduled:
-                first, row = row, row + 1 + len(r.draft_ids)
+                chunk, row = row, row + r.state.rows
+                first = row - 1 - len(r.draft_ids)
                 try:
+                    if r.state.rows > 1 + len(r.draft_ids):  # a prefill chunk scoring its prompt
+                        self._score_prompt(r, raw[chunk:row], r.num_computed_tokens)
                     if r.draft_ids:  # speculate.py: the accepted drafts and the model's own next token
                         if r.params.temperature == 0:
                             tokens = accept_greedy(r.draft_ids, greedy[first:row])
@@ -487,11 +500,21 @@ class LocalEngine(ChatTemplateEncoding, Engine):
             return logits
         out, row = logits.clone(), 0
         for r, _ in scheduled:
-            rows = 1 + len(r.draft_ids)
+            row += r.state.rows
+            first = row - 1 - len(r.draft_ids)  # the rows that choose tokens
             if r.params.adjusts_logits:
-                out[row:row + rows] = adjusted(logits[row:row + rows], r.params, r.output_ids, r.draft_ids)
-            row += rows
+                out[first:row] = adjusted(logits[first:row], r.params, r.output_ids, r.draft_ids)
         return out
+
+    def _score_prompt(self, r: Request, rows: Any, start: int) -> None:
+        """Keep the log-probabilities of the prompt tokens this prefill chunk's rows predict (row j, at
+        position start + j, predicts position start + j + 1), each position once (a preempted request
+        computes its prompt again)."""
+        for j in range(rows.size(0)):
+            at = start + j + 1
+            if at < len(r.prompt_ids) and at == 1 + len(r.state.prompt_scored):
+                r.state.prompt_scored.extend(token_logprobs(rows[j:j + 1], [r.prompt_ids[at]], r.params.prompt_logprobs,
+                                                            self._token_text))
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -524,9 +547,13 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         kept = scored[:len(appended)]
         if kept and appended[-1] in self.eos_ids and not r.params.ignore_eos:
             kept = kept[:-1]  # the end of the answer is no part of its text: OpenAI's logprobs leave it out
-        s.out.put(self._delta(r, text, tuple(appended), _FINISH.get(status) if status else None, kept))
+        prompt = ()
+        if r.params.prompt_logprobs is not None and not s.prompt_sent:
+            prompt, s.prompt_sent = tuple(s.prompt_scored), True
+        s.out.put(self._delta(r, text, tuple(appended), _FINISH.get(status) if status else None, kept, prompt))
 
     @staticmethod
     def _delta(r: Request, text: str, token_ids: tuple[int, ...], finish: str | None,
-               scored: tuple[TokenLogprob, ...] = ()) -> TokenDelta:
-        return TokenDelta(text, token_ids, finish, len(r.prompt_ids), len(r.output_ids), r.num_cached_tokens, scored)
+               scored: tuple[TokenLogprob, ...] = (), prompt: tuple[TokenLogprob, ...] = ()) -> TokenDelta:
+        return TokenDelta(text, token_ids, finish, len(r.prompt_ids), len(r.output_ids), r.num_cached_tokens, scored,
+                          prompt)

@@ -73,7 +73,7 @@ def legacy_logprobs(scored: Sequence[TokenLogprob], offset: int = 0) -> dict[str
         starts.append(at)
         at += len(s.token)
     return {"tokens": [s.token for s in scored], "token_logprobs": [s.logprob for s in scored],
-            "top_logprobs": [dict(s.top) for s in scored], "text_offset": starts}
+            "top_logprobs": [None if s.logprob is None else dict(s.top) for s in scored], "text_offset": starts}
 
 
 def usage_of(last: TokenDelta) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from assistant.server.response_cache import ResponseCache, recording, replay
 from assistant.server.schemas import (MAX_TOKENS_DEFAULT, RequestError, parse_chat_request, parse_embeddings_request,
                                       parse_text_request)
 from assistant.server.streaming import ClosingStreamingResponse
-from assistant.server.text_completions import NEEDS_LOCAL, NO_ECHO_LOGPROBS, guarded_text, prompt_ids
+from assistant.server.text_completions import NEEDS_LOCAL, TextPrompt, guarded_text, prompt_ids
 
 log = logging.getLogger(__name__)
 __all__ = ["ASSISTANT_MODEL", "MAX_TOKENS_DEFAULT", "create_api", "error_body"]
@@ -232,13 +232,13 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
         tokenizer = getattr(target, "tokenizer", None)
         if tokenizer is None:
             return _error(400, NEEDS_LOCAL.format(model=model), param="model")
-        if req.echo and req.logprobs is not None:
-            return _error(400, NO_ECHO_LOGPROBS, param="echo")
         try:
             ids = await run_in_threadpool(prompt_ids, tokenizer, req, model)
         except ValueError as e:
             return _error(400, str(e), param="suffix" if req.suffix is not None else "prompt")
-        echo = (req.prompt_text if req.prompt_text is not None else tokenizer.decode(ids)) if req.echo else ""
+        prompt = TextPrompt(ids, (req.prompt_text if req.prompt_text is not None else tokenizer.decode(ids))
+                            if req.echo else "", tokenizer.decode(ids[:1]) if req.scores_prompt else None,
+                            answer=req.max_tokens != 0)
         ticket = await gateway.admit(request, principal, model, len(ids) + params.max_tokens)
         if isinstance(ticket, Refusal):
             return _refused(ticket)
@@ -247,7 +247,7 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
             if blocked is not None:
                 return blocked
             return await _raw_completion(target, req, [], params, model, ticket, gateway, request, out=out,
-                                         text=(ids, echo))
+                                         text=prompt)
         except BaseException:
             await run_in_threadpool(ticket.finish, "error")  # no-op when the response already finished it
             raise
@@ -313,13 +313,13 @@ def response_cache_of(assistant: Any, embedding_model: str | None) -> ResponseCa
 
 async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params: Any, model: str, ticket: Ticket,
                           gateway: Gateway, request: Request, cached: Any = None, record: Any = None,
-                          out: Any = None, text: tuple[list[int], str] | None = None) -> Any:
+                          out: Any = None, text: TextPrompt | None = None) -> Any:
     """`cached`: the deltas of an answer from the response cache (the engine is not asked); `record`: wraps
     the engine's deltas to store the answer when it completes; `out`: the request's OutputGuard (None:
     safety is off), applied before the cache records, so the cache only holds guarded answers. `text`:
-    a /v1/completions request instead (text_completions.py): its prompt's token ids and the text it echoes."""
+    a /v1/completions request instead (text_completions.py)."""
     if text is not None:
-        shape = Shape(f"cmpl-{uuid.uuid4().hex[:24]}", model, prefix=text[1], text=True)
+        shape = Shape(f"cmpl-{uuid.uuid4().hex[:24]}", model, prefix=text.echo, text=True)
     else:
         shape = Shape.of(req, f"chatcmpl-{uuid.uuid4().hex[:24]}", model)
     cid = shape.cid
@@ -331,8 +331,10 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
 
     try:  # the chat template and tokenising run here: off the event loop
         deltas = cached if cached is not None else await run_in_threadpool(
-            engine.generate, text[0] if text is not None else shape.messages(messages), params,
+            engine.generate, text.ids if text is not None else shape.messages(messages), params,
             tools=None if text is not None else req.engine_tools())
+        if text is not None:
+            deltas = text.deltas(deltas)
         if out is not None and cached is None:
             deltas = guard_deltas(deltas, out)
         if record is not None:
@@ -365,8 +367,10 @@ async def _raw_completion(engine: Engine, req: Any, messages: list[dict], params
     scored = scored if params.logprobs is not None else []  # none when the output guard held them back
     if shape.text:
         finish = finish_reason(last.finish_reason)
-        choice = {"index": 0, "text": shape.prefix + reply, "finish_reason": finish,
-                  "logprobs": legacy_logprobs(scored, len(shape.prefix)) if scored else None}
+        whole = shape.prefix + reply  # the tokens scored end where it ends
+        choice = {"index": 0, "text": whole, "finish_reason": finish,
+                  "logprobs": legacy_logprobs(scored, len(whole) - sum(len(s.token) for s in scored)) if scored
+                  else None}
     else:
         message, finish = message_of(shape, reply, last.finish_reason)
         choice = {"index": 0, "message": message, "finish_reason": finish,

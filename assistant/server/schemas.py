@@ -17,6 +17,7 @@ import base64
 import binascii
 import json
 import re
+from dataclasses import replace
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
@@ -316,6 +317,7 @@ class TextCompletionRequest(_Sampled):
     fills in what goes between the two (fill-in-the-middle)."""
 
     prompt: Union[str, list[str], list[int]]
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: score the prompt (with echo and logprobs), write nothing
     suffix: Optional[str] = None
     echo: Optional[bool] = None
     best_of: Optional[int] = Field(None, ge=1, le=1)  # one candidate per request
@@ -334,12 +336,17 @@ class TextCompletionRequest(_Sampled):
             raise ValueError("must not be empty")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_plain(cls, value: Any, info: ValidationInfo) -> Any:
-        if value and info.data.get("suffix") is not None:
+    @model_validator(mode="after")
+    def _echo_plain(self) -> "TextCompletionRequest":
+        if self.echo and self.suffix is not None:
             raise ValueError("cannot echo a fill-in-the-middle prompt: leave `echo` or `suffix` out")
-        return value
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("`max_tokens: 0` writes nothing: it is for scoring an echoed prompt (`echo: true`)")
+        return self
+
+    @property
+    def scores_prompt(self) -> bool:
+        return bool(self.echo) and self.logprobs is not None
 
     @property
     def prompt_text(self) -> str | None:
@@ -349,7 +356,10 @@ class TextCompletionRequest(_Sampled):
         return self.prompt[0] if isinstance(self.prompt[0], str) else None
 
     def sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens or TEXT_MAX_TOKENS_DEFAULT, self.logprobs)
+        """max_tokens 0 asks the engine for one token, which the reply leaves out (text_completions.py)."""
+        params = self._params(max(1, self.max_tokens if self.max_tokens is not None else TEXT_MAX_TOKENS_DEFAULT),
+                              self.logprobs)
+        return replace(params, prompt_logprobs=self.logprobs) if self.scores_prompt else params
 
 
 def parse_text_request(raw: bytes) -> TextCompletionRequest:
