@@ -444,9 +444,15 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                 return self.graphs.run(tokens, positions, [r.block_table for r, _ in scheduled])
             return self.model.forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), seqs, self.kv,
-                                      greedy=[r.params.temperature == 0 and r.params.logprobs is None
-                                              and r.params.prompt_logprobs is None and not r.params.adjusts_logits
-                                              for r, _ in scheduled])
+                                      greedy=[self._argmax_only(r) for r, _ in scheduled])
+
+    @staticmethod
+    def _argmax_only(r: Request) -> bool:
+        """Whether the request's rows of this step need only their argmax (the screened lm_head): greedy,
+        and none of its numbers shown (logprobs, a prompt being scored) or changed (penalties, bias)."""
+        scoring_prompt = r.state.rows > 1 + len(r.draft_ids)
+        return (r.params.temperature == 0 and r.params.logprobs is None and not scoring_prompt
+                and not r.params.adjusts_logits)
 
     def _process(self, scheduled: list[tuple[Request, int]], logits: Any) -> None:
         """Sample (or verify drafts), detokenise and stream per request, each under its own guard (see
@@ -510,11 +516,11 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         """Keep the log-probabilities of the prompt tokens this prefill chunk's rows predict (row j, at
         position start + j, predicts position start + j + 1), each position once (a preempted request
         computes its prompt again)."""
-        for j in range(rows.size(0)):
-            at = start + j + 1
-            if at < len(r.prompt_ids) and at == 1 + len(r.state.prompt_scored):
-                r.state.prompt_scored.extend(token_logprobs(rows[j:j + 1], [r.prompt_ids[at]], r.params.prompt_logprobs,
-                                                            self._token_text))
+        done = 1 + len(r.state.prompt_scored)  # the next position to score
+        first, end = max(start + 1, done), min(start + rows.size(0), len(r.prompt_ids) - 1) + 1
+        if first < end and first <= done:
+            r.state.prompt_scored.extend(token_logprobs(rows[first - start - 1:], r.prompt_ids[first:end],
+                                                        r.params.prompt_logprobs, self._token_text))
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
