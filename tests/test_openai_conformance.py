@@ -192,14 +192,15 @@ class CharTokenizer:
 def test_text_completions_plain_fill_in_the_middle_echo_and_streamed(served):
     _, engine, client, url = served
     engine.tokenizer = CharTokenizer()
-    engine.add(["lo", " world"], ["a + b"], ["lo"], ["lo", " world"])
+    engine.add(["lo", " world"], ["a + b\n", "\nprint(add(1, 2))", "\nmore"], ["lo"], ["lo", " world"])
     r = client.completions.create(model="qwen2.5-coder-0.5b", prompt="Hel")
     assert r.object == "text_completion" and r.choices[0].text == "lo world" and r.choices[0].finish_reason == "stop"
     assert engine.prompts[-1] == [ord(c) for c in "Hel"] and engine.params[-1].max_tokens == 16  # OpenAI's default
     assert r.usage.completion_tokens == 2 and r.choices[0].logprobs is None
-    r = client.completions.create(model="qwen2.5-coder-0.5b", prompt="def add(a, b):\n    return ", suffix="\n")
-    assert r.choices[0].text == "a + b"
-    assert engine.prompts[-1] == [1, *map(ord, "def add(a, b):\n    return "), 2, ord("\n"), 3]
+    suffix = "\n\nprint(add(1, 2))\n"
+    r = client.completions.create(model="qwen2.5-coder-0.5b", prompt="def add(a, b):\n    return ", suffix=suffix)
+    assert r.choices[0].text == "a + b\n\n"  # the model wrote the suffix again: cut at its first line
+    assert engine.prompts[-1] == [1, *map(ord, "def add(a, b):\n    return "), 2, *map(ord, suffix), 3]
     r = client.completions.create(model="qwen2.5-coder-0.5b", prompt="Hel", echo=True, max_tokens=3)
     assert r.choices[0].text == "Hello" and engine.params[-1].max_tokens == 3
     chunks = list(client.completions.create(model="qwen2.5-coder-0.5b", prompt="Hel", logprobs=1, stream=True,

@@ -32,6 +32,7 @@ import base64
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Callable
 
 from fastapi import APIRouter, Request
@@ -50,7 +51,7 @@ from assistant.server.response_cache import ResponseCache, recording, replay
 from assistant.server.schemas import (MAX_TOKENS_DEFAULT, RequestError, parse_chat_request, parse_embeddings_request,
                                       parse_text_request)
 from assistant.server.streaming import ClosingStreamingResponse
-from assistant.server.text_completions import NEEDS_LOCAL, TextPrompt, guarded_text, prompt_ids
+from assistant.server.text_completions import NEEDS_LOCAL, TextPrompt, guarded_text, prompt_ids, suffix_stop
 
 log = logging.getLogger(__name__)
 __all__ = ["ASSISTANT_MODEL", "MAX_TOKENS_DEFAULT", "create_api", "error_body"]
@@ -236,6 +237,8 @@ def create_api(engine: Engine, *, model_name: str, api_keys: tuple[str, ...] = (
             ids = await run_in_threadpool(prompt_ids, tokenizer, req, model)
         except ValueError as e:
             return _error(400, str(e), param="suffix" if req.suffix is not None else "prompt")
+        if (stop := suffix_stop(req.suffix)) is not None:
+            params = replace(params, stop=(*params.stop, stop))
         prompt = TextPrompt(ids, (req.prompt_text if req.prompt_text is not None else tokenizer.decode(ids))
                             if req.echo else "", tokenizer.decode(ids[:1]) if req.scores_prompt else None,
                             answer=req.max_tokens != 0)

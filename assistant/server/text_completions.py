@@ -2,7 +2,8 @@
 template, which is what code editors' autocomplete asks for. With `suffix`, the model fills in what goes
 between the prompt and the suffix (fill-in-the-middle), through its own FIM tokens: the packaged
 Qwen2.5-Coder models know `<|fim_prefix|>`, `<|fim_suffix|>` and `<|fim_middle|>`; a model without them
-refuses a suffix with a 400. With `echo` and `logprobs`, the prompt's own tokens are scored too (the
+refuses a suffix with a 400. The packaged instruct models, past the middle, go on to write the suffix
+again: a FIM answer stops at the suffix's first non-blank line (`suffix_stop`). With `echo` and `logprobs`, the prompt's own tokens are scored too (the
 first has none), and `max_tokens: 0` scores the prompt alone: what evaluation harnesses ask to compare
 the likelihood of texts.
 
@@ -43,6 +44,14 @@ def prompt_ids(tokenizer: Any, req: Any, model: str) -> list[int]:
     prefix, suffix, middle = FIM_TOKENS
     text = f"{prefix}{req.prompt_text}{suffix}{req.suffix}{middle}"
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def suffix_stop(suffix: str | None) -> str | None:
+    """A stop string for a fill-in-the-middle answer: the suffix's first non-blank line, where the model
+    would start writing the suffix again (the packaged instruct models do, past the middle); None when
+    that line is too short to be told from code of the middle (under 4 characters)."""
+    line = next((l.strip() for l in (suffix or "").splitlines() if l.strip()), "")
+    return line if len(line) >= 4 else None
 
 
 def guarded_text(req: Any) -> list[dict[str, Any]]:
