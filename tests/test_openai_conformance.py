@@ -214,7 +214,7 @@ def test_text_completions_plain_fill_in_the_middle_echo_and_streamed(served):
     post = lambda body: httpx.post(f"{url}/v1/completions", json=body)  # noqa: E731
     for body, param in (({"prompt": "x", "model": "assistant"}, "model"), ({"prompt": "x", "max_tokens": 0}, None),
                         ({"prompt": "x", "logprobs": 6}, "logprobs"), ({"prompt": ["a", "b"]}, "prompt"),
-                        ({"prompt": [5, 6], "suffix": "y"}, "suffix"), ({"prompt": "x", "model": "gpt-3.5-turbo-instruct"},
+                        ({"prompt": [5, 6], "suffix": "y"}, "suffix"), ({"prompt": [5, -1], "echo": True}, "prompt"), ({"prompt": "x", "model": "gpt-3.5-turbo-instruct"},
                                                                         "model")):
         assert assert_openai_error(post(body), 404 if body.get("model", "").startswith("gpt") else 400)["param"] == param
     engine.tokenizer = CharTokenizer(fim=False)

@@ -331,6 +331,8 @@ class TextCompletionRequest(_Sampled):
             raise ValueError("must not be empty")
         if isinstance(value, list) and isinstance(value[0], str) and len(value) != 1:
             raise ValueError("one prompt per request: send a string, or a list of one string")
+        if isinstance(value, list) and isinstance(value[0], int) and min(value) < 0:
+            raise ValueError("token ids are integers from 0")
         if (isinstance(value, str) or isinstance(value, list) and isinstance(value[0], str)) and not (
                 value if isinstance(value, str) else value[0]):
             raise ValueError("must not be empty")
