@@ -77,9 +77,6 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
         with self._lock:
             yield from self._generate_locked(prompt_ids, params, cancel)
 
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
     def _generate_locked(self, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event | None):
         import torch
         from transformers import DynamicCache
@@ -98,7 +95,7 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
             logits = prefill(self.model, torch.tensor([prompt_ids], device=self.device), cache, every)
             prompt_scored: tuple = ()
             if every:  # row i predicts prompt token i + 1
-                prompt_scored = tuple(token_logprobs(logits, prompt_ids[1:], params.prompt_logprobs, self._token_text))
+                prompt_scored = tuple(token_logprobs(logits, prompt_ids[1:], params.prompt_logprobs, self.token_text))
                 logits = logits[-1:]
             for step in range(1, max_new + 1):
                 if cancel is not None and cancel.is_set():
@@ -109,7 +106,7 @@ class HFLoopEngine(ChatTemplateEncoding, Engine):
                 token_id = int(token.item())
                 answer.append(token_id)
                 scored = () if params.logprobs is None else tuple(
-                    token_logprobs(logits, [token_id], params.logprobs, self._token_text))
+                    token_logprobs(logits, [token_id], params.logprobs, self.token_text))
                 if token_id in self.eos_ids and not params.ignore_eos:
                     yield TokenDelta(stops.flush(), (token_id,), FINISH_STOP, num_prompt, step,  # EOS: no logprob
                                      prompt_logprobs=prompt_scored if step == 1 else ())

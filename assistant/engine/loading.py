@@ -174,6 +174,10 @@ class ChatTemplateEncoding:
     tokenizer: Any
     context_window: int
 
+    def token_text(self, token: int) -> str:
+        """One token's own text, as logprobs name it (engine/base.py TokenLogprob)."""
+        return self.tokenizer.decode([token])
+
     def checked_prompt_ids(self, prompt: Sequence[Any], params: Any, tools: Sequence[dict] | None) -> list[int]:
         """Validate a request and encode its prompt, refusing one that leaves no room to answer."""
         from assistant.errors import EngineError

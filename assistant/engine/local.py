@@ -492,7 +492,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
                     else:
                         tokens = [int(sample(logits[i:i + 1], r.params, r.state.generator).item())]
                 scored = () if r.params.logprobs is None else tuple(
-                    token_logprobs(raw[i:], tokens, r.params.logprobs, self._token_text))
+                    token_logprobs(raw[i:], tokens, r.params.logprobs, self.token_text))
                 self._append(r, tokens, scored)
             except Exception as e:  # this request's sampling / detokenising / stop strings
                 log.exception("request %s failed while producing its token", r.request_id)
@@ -520,10 +520,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         first, end = max(start + 1, done), min(start + rows.size(0), len(r.prompt_ids) - 1) + 1
         if first < end and first <= done:
             r.state.prompt_scored.extend(token_logprobs(rows[first - start - 1:], r.prompt_ids[first:end],
-                                                        r.params.prompt_logprobs, self._token_text))
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+                                                        r.params.prompt_logprobs, self.token_text))
 
     def _append(self, r: Request, tokens: list[int], scored: tuple[TokenLogprob, ...] = ()) -> None:
         """Append tokens one by one as plain decoding would, stopping at EOS, a stop string, max_tokens

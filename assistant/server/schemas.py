@@ -322,7 +322,6 @@ class TextCompletionRequest(_Sampled):
     echo: Optional[bool] = None
     best_of: Optional[int] = Field(None, ge=1, le=1)  # one candidate per request
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TEXT_LOGPROBS)
-    user: Optional[str] = None
 
     @field_validator("prompt")
     @classmethod
