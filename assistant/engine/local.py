@@ -36,12 +36,14 @@ scheduler/KV cache here, with HF `generate()` kept as the baseline in bench/engi
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import numbers
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
@@ -87,6 +89,19 @@ ITL_TARGET = 1.8
 MIN_PREFILL_CHUNK = 4  # ... but a waiting prompt always advances by at least this many tokens
 INITIAL_PREFILL_CHUNK = 8  # before the first mixed step is measured (the limit was 64: a 6x stall)
 EMA = 0.2  # weight of the newest measurement in the step-time averages
+
+# Engines still running, closed at interpreter exit: a daemon thread that leaves a native step (the GIL released)
+# once Python is finalizing is ended with pthread_exit, whose unwinding through the kernels' C++ frames aborts
+# the process ("terminate called without an active exception", exit code 134), so a program that ends mid-answer
+# (Ctrl-C in the terminal chat, a notebook kernel stopped) crashed. atexit runs before that finalization.
+_LIVE: "weakref.WeakSet[LocalEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    for engine in list(_LIVE):
+        engine.close()
+
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: FINISH_STOP, RequestStatus.FINISHED_LENGTH: FINISH_LENGTH,
            RequestStatus.FINISHED_CANCELLED: FINISH_CANCELLED}
@@ -181,6 +196,7 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     @classmethod
     def from_config(cls, config: AssistantConfig) -> "LocalEngine":
