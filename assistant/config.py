@@ -90,7 +90,7 @@ class EngineConfig:
     # there (its verify steps would run eager); false = every step eager, as on CPU
     cuda_graphs: bool = True
     max_num_seqs: int = 16  # requests decoded together in one batch
-    max_batched_tokens: int = 512  # tokens computed per engine step
+    max_batched_tokens: int = 512  # tokens computed per engine step (the CPU's native int8 path: at most 32, model.py)
     max_prefill_chunk: int = 64  # upper bound on prefill tokens per step while others stream (tuned below it)
     max_waiting: int = 64  # queued requests before new ones are refused as busy
     prefix_cache: bool = True  # reuse KV of shared prompt prefixes (system prompt, earlier turns, documents)

@@ -302,12 +302,14 @@ def test_kv_exhaustion_preempts_and_everyone_finishes(tiny_config):
 @pytest.mark.parametrize("quantize,tolerance", [("none", 1e-5), ("int8", 5e-2)])
 @pytest.mark.parametrize("kernels", ["native", "pytorch"])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, tolerance, kernels, kv_dtype,
+@pytest.mark.parametrize("chunks", [((0, 6), (6, 10), (10, 11)), ((0, 27), (27, 29), (29, 30))])
+def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, tolerance, kernels, kv_dtype, chunks,
                                                          monkeypatch):
     """The hand-written ragged forward (model.py) against HF's own forward on the same weights: one
-    sequence prefilled in two chunks, then one decode step, through the paged KV cache (float32, or
-    bfloat16: keys and values rounded to 8 bits of mantissa, so a looser bound); with the native kernels
-    (norm, RoPE + KV write, attention, int8 linears) and with PyTorch ops."""
+    sequence prefilled in two chunks (short ones, and one of 27 tokens: past 16 queries, natively attended
+    up to the stack's 32), then one decode step, through the paged KV cache (float32, or bfloat16: keys and
+    values rounded to 8 bits of mantissa, so a looser bound); with the native kernels (norm, RoPE + KV
+    write, attention, int8 linears) and with PyTorch ops."""
     import torch
 
     from assistant.engine import int8 as int8_module
@@ -326,19 +328,20 @@ def test_lean_forward_matches_the_transformers_reference(tiny_config, quantize, 
     lean = Transformer.from_hf(hf, quantize=None if quantize == "none" else quantize)
     assert (lean.ops is not None) == (kernels == "native")
     a = lean.args
-    kv = KVCache(a.num_layers, 8, 4, a.num_kv_heads, a.head_dim, getattr(torch, kv_dtype), "cpu",
+    kv = KVCache(a.num_layers, 9, 4, a.num_kv_heads, a.head_dim, getattr(torch, kv_dtype), "cpu",
                  compute_dtype=torch.float32)
     if kv_dtype == "bfloat16":
         tolerance = max(tolerance, 5e-2)
-    ids = torch.randint(0, a.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))
+    length = chunks[-1][1]
+    ids = torch.randint(0, a.vocab_size, (1, length), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        want = hf(ids).logits[0]  # (11, V)
-        slots = torch.tensor([5, 6, 7, 4] + list(range(8, 20)))[:11]  # scattered slots, as after reuse
+        want = hf(ids).logits[0]  # (length, V)
+        slots = torch.tensor([5, 6, 7, 4] + list(range(8, 36)))[:length]  # scattered slots, as after reuse
         got = []
-        for start, end in ((0, 6), (6, 10), (10, 11)):  # two prefill chunks, then a decode step
-            seq = SeqBatch(0, end - start, end, slots[:end], prompt_len=10)
+        for start, end in chunks:  # two prefill chunks, then a decode step
+            seq = SeqBatch(0, end - start, end, slots[:end], prompt_len=length - 1)
             got.append(lean.forward(ids[0, start:end], torch.arange(start, end), [seq], kv)[0])
-    for logits, pos in zip(got, (5, 9, 10)):
+    for logits, pos in zip(got, [end - 1 for _, end in chunks]):
         scale = want[pos].abs().max()
         assert (logits - want[pos]).abs().max() / scale < tolerance, pos
 
@@ -454,3 +457,31 @@ def test_a_program_that_ends_mid_answer_exits_cleanly(models_dir, tmp_path):
                               timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
         assert "leaving mid-answer" in done.stdout, done.stderr[-2000:]
         assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+
+
+def test_native_steps_are_planned_no_bigger_than_the_layer_stack(tiny_config):
+    """A step of more rows than the native layer stack takes leaves it for SDPA and torch._int_mm (~2x the
+    cost per prompt token): on that path the scheduler plans at most `step_rows` tokens a step, unless the
+    running streams alone need more; without the stack (fp32 linears) max_batched_tokens stands."""
+    from assistant.engine import native
+    from assistant.engine.loading import load_model
+    from assistant.engine.local import LocalEngine
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    loaded = load_model(tiny_config)
+    for quantize, seqs, want in (("int8", 16, 32), ("int8", 40, 40), ("none", 16, 512)):
+        eng = LocalEngine(loaded, replace(tiny_config.engine, quantize=quantize, max_num_seqs=seqs, max_batched_tokens=512))
+        try:
+            assert eng.model.step_rows == (32 if quantize == "int8" else None)
+            assert eng.scheduler.config.max_batched_tokens == want
+            planned, schedule = [], eng.scheduler.schedule
+            eng.scheduler.schedule = lambda: planned.append(out := schedule()) or out
+            prompt = [{"role": "user", "content": "word " * 100}]
+            length = len(eng.encode(prompt))
+            assert length > 3 * 32
+            deltas = eng.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+            assert sum(len(d.token_ids) for d in deltas) == 4
+            assert max(p.num_batched_tokens for p in planned) == min(want, length)
+        finally:
+            eng.close()

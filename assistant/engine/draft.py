@@ -278,9 +278,16 @@ class DraftSpeculator:
         return [(r, d) for (r, _, _), d in zip(seqs, drafts)]
 
     def _catch_up(self, seqs: list[tuple[Any, DraftSeq]]) -> None:
-        """Lagging sequences compute up to CATCHUP_MAX of the tokens the draft has not seen."""
-        self._forward([(s, r.all_ids[len(s.ids):len(s.ids) + CATCHUP_MAX], len(r.prompt_ids)) for r, s in seqs],
-                      measure=False)
+        """Lagging sequences compute up to CATCHUP_MAX of the tokens the draft has not seen, in forwards the
+        size of the draft's native layer stack where it has one (model.py `step_rows`: ~2x cheaper per token)."""
+        piece = self.model.step_rows or CATCHUP_MAX
+        for r, s in seqs:
+            end = len(s.ids) + CATCHUP_MAX
+            while len(s.ids) < min(end, r.num_tokens):
+                before = len(s.ids)
+                self._forward([(s, r.all_ids[before:min(before + piece, end)], len(r.prompt_ids))], measure=False)
+                if len(s.ids) == before:  # no draft KV memory left: it stays behind
+                    break
 
     def _forward(self, items: list[tuple[DraftSeq, list[int], int]], measure: bool = True) -> list[int | None]:
         """One ragged draft step: append each item's tokens to its sequence's draft KV (item: state, new

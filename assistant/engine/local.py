@@ -186,9 +186,13 @@ class LocalEngine(ChatTemplateEncoding, Engine):
         if graphs and draft is None and config.speculation == "prompt_lookup":
             config = replace(config, speculation="off")  # verify steps are not graphed: plain graphed decode wins
         self.speculator = self._speculator(config, draft, num_blocks)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_batched_tokens,
-                                                   config.max_prefill_chunk, config.max_waiting), self.blocks,
-                                   self.speculator)
+        # On the native CPU path a step of more rows than the layer stack takes costs ~2x as much per token
+        # (model.py `step_rows`), so no step is planned bigger, unless the running streams alone need more rows.
+        step_tokens = config.max_batched_tokens
+        if self.model.step_rows is not None:
+            step_tokens = max(min(step_tokens, self.model.step_rows), config.max_num_seqs)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, step_tokens, config.max_prefill_chunk,
+                                                   config.max_waiting), self.blocks, self.speculator)
         self.scheduler.prefill_chunk = min(INITIAL_PREFILL_CHUNK, config.max_prefill_chunk)  # until measured
         self._decode_step_s = 0.0  # EMA of a step without prefill tokens
         self._prefill_token_s = 0.0  # EMA of the extra time per prefill token in a mixed step
