@@ -164,3 +164,34 @@ def test_wasted_kv_is_under_ten_percent_on_mixed_lengths():
         tables.append(t)
     allocated = sum(len(t) for t in tables) * 16
     assert (allocated - sum(lengths)) / allocated < 0.10
+
+
+def test_prefix_chains_through_a_block_another_sequence_registered_first():
+    """Two sequences computed the same prompt at once: the second's copy is not registered, but the blocks it
+    computes after it still chain on, and a third prompt finds the first's blocks and then the second's."""
+    bm = BlockManager(8, BS)
+    a, b = [], []
+    assert bm.allocate(a, 2 * BS) and bm.allocate(b, 3 * BS)
+    shared, tail = list(range(2 * BS)), list(range(100, 100 + BS))
+    bm.register_full_blocks(a, shared, 2 * BS, 0)
+    assert bm.register_full_blocks(b, shared + tail, 3 * BS, 0) == 3
+    assert len(bm.cached) == 3  # a's two blocks and b's third; b's first two are copies
+    assert bm.match_prefix(shared + tail + [7]) == [a[0], a[1], b[2]]
+
+
+def test_a_prefix_is_found_only_behind_the_same_blocks_even_after_eviction():
+    """Keys chain on content ids that are never reused: once the first block's content is evicted and
+    other content takes its place, a block cached behind the old content is not found behind the new."""
+    bm = BlockManager(3, BS)
+    first, second, other = list(range(BS)), list(range(50, 50 + BS)), list(range(200, 200 + BS))
+    t = []
+    assert bm.allocate(t, 2 * BS)
+    bm.register_full_blocks(t, first + second, 2 * BS, 0)
+    head = t[0]
+    bm.free_blocks(t)  # both stay cached; the tail block is first in line to be reused
+    u = []
+    assert bm.allocate(u, 2 * BS)  # a free block and the tail block (evicted); the head block stays cached
+    bm.register_full_blocks(u, other + second, 2 * BS, 0)
+    assert bm.match_prefix(other + second + [1]) == u
+    bm.free_blocks(u)
+    assert bm.match_prefix(first + second + [1]) == [head]  # its old second block now holds other content

@@ -208,11 +208,15 @@ def test_scheduler_verifies_drafts_and_rolls_back_rejected_ones():
     assert blocks.num_free_blocks == blocks.num_blocks
     # only committed tokens reached the prefix cache: every cached block is a block of some final sequence
     finals = [r.all_ids for r in requests[:3]]
+    key_of_id = {blocks.id_of[b]: key for key, b in blocks.cached.items()}
     for key in blocks.cached:
-        chain = []
-        while key is not None:
-            key, tokens = key
+        chain: list[int] = []
+        while True:
+            parent, tokens = key
             chain[:0] = tokens
+            if parent == 0:
+                break
+            key = key_of_id[parent]  # every cached block's prefix is cached too (nothing was evicted)
         assert any(f[:len(chain)] == chain for f in finals), chain
 
 
