@@ -485,3 +485,39 @@ def test_native_steps_are_planned_no_bigger_than_the_layer_stack(tiny_config):
             assert max(p.num_batched_tokens for p in planned) == min(want, length)
         finally:
             eng.close()
+
+
+def test_a_prefix_hit_gives_the_cold_answers_bits(models_dir):
+    """The packaged model: an answer's log-probabilities are the same to the last bit whether its prompt was
+    computed cold or mostly read from the prefix cache. A cold prompt once went to SDPA in one big chunk and the
+    hit's short tail to the native attention, and the answers' log-probabilities differed by up to 0.008 (so a
+    greedy answer could depend on what the cache held); every step now runs in the native stack."""
+    from assistant.engine import native
+    from assistant.engine.loading import load_model
+    from assistant.engine.local import LocalEngine
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"native kernels: {native.unavailable_reason()}")
+    config = AssistantConfig.load(env={}, overrides={"engine.model": str(models_dir / "qwen2.5-coder-0.5b"),
+                                                     "engine.num_threads": 2})
+    params = SamplingParams(max_tokens=24, logprobs=0)
+    prompt = [{"role": "system", "content": "Answer from the passage. " + "The device ships with a charger and two "
+               "cables; the warranty lasts 24 months. " * 12}, {"role": "user", "content": "How long is the warranty?"}]
+
+    def answer(eng):
+        deltas = list(eng.generate(prompt, params))
+        return [t.logprob for d in deltas for t in d.logprobs], deltas[-1].num_cached_tokens
+
+    loaded = load_model(config)
+    cold_engine = LocalEngine(loaded, replace(config.engine, prefix_cache=False))
+    warm_engine = LocalEngine(loaded, config.engine)
+    try:
+        assert cold_engine.model.step_rows is not None
+        cold, _ = answer(cold_engine)
+        first, cached_first = answer(warm_engine)
+        again, cached_again = answer(warm_engine)
+    finally:
+        cold_engine.close()
+        warm_engine.close()
+    assert cached_first == 0 and cached_again >= 200 and len(cold) >= 5
+    assert cold == first == again
