@@ -142,6 +142,11 @@ class Models:
             return LARGE
         return SMALL if model_id == self.default else ""
 
+    def preload_large(self, done: Callable[[Engine | None, str], None] | None = None) -> bool:
+        """Load the large model now, in the background (assistant/routing.py `Router.preload`); False when
+        there is none to load."""
+        return self._router.preload(done) is not None
+
     def engine(self, model_id: str | None = None) -> Engine:
         if model_id in (None, "", self.default) or model_id not in self.ids():
             return self._router.small

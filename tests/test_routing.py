@@ -143,3 +143,56 @@ def test_auto_large_model_is_the_packaged_one_only_when_it_is_prepared(tmp_path)
     remote = AssistantConfig.load(env={}, overrides={"models_dir": str(tmp_path / "m"),
                                                      "engine.remote_url": "http://127.0.0.1:9/v1"})
     assert with_large_model(remote).engine.large_model == ""
+
+
+class Closable(Large):
+    closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_preload_loads_the_large_engine_once_and_a_call_meanwhile_waits_for_it():
+    import threading
+
+    loading, release, built = threading.Event(), threading.Event(), []
+
+    def factory():
+        loading.set()
+        release.wait(10)
+        built.append(Closable())
+        return built[-1]
+
+    router, ready = Router(ScriptedEngine(), factory), []
+    thread = router.preload(lambda engine, error: ready.append((engine, error)))
+    assert thread is not None and loading.wait(10)
+    got = []
+    caller = threading.Thread(target=lambda: got.append(router.large()))
+    caller.start()
+    caller.join(0.2)
+    assert caller.is_alive() and not got  # the turn waits for the loading engine, it does not load a second
+    release.set()
+    thread.join(10)
+    caller.join(10)
+    assert len(built) == 1 and got == [built[0]] and ready == [(built[0], "")]
+    assert router.preload() is None  # loaded: nothing to do
+
+
+def test_preload_reports_a_model_that_cannot_load_and_a_router_closed_meanwhile_closes_it():
+    import threading
+
+    def broken():
+        raise ModelError("qwen2.5-coder-1.5b is not prepared: run `assistant models prepare large`")
+
+    reports = []
+    Router(ScriptedEngine(), broken).preload(lambda engine, error: reports.append((engine, error))).join(10)
+    assert reports == [(None, "qwen2.5-coder-1.5b is not prepared: run `assistant models prepare large`")]
+    assert Router(ScriptedEngine()).preload() is None  # no large model configured
+
+    release, engine = threading.Event(), Closable()
+    router = Router(ScriptedEngine(), lambda: release.wait(10) and engine)
+    thread = router.preload(lambda *_: reports.append("done"))
+    router.close()  # the server stopped while the model loaded
+    release.set()
+    thread.join(10)
+    assert engine.closed >= 1 and reports[-1] != "done"

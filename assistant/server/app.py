@@ -17,6 +17,7 @@ app's `Assistant` (assistant/app.py) and closes it on the way out.
 
 from __future__ import annotations
 
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -87,6 +88,7 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
     if assistant is None:
         print(f"Loading model {config.engine.model}...", flush=True)
         assistant = build_assistant(config)
+    _preload_large(assistant)
     gateway = app = None
     try:
         check_bind(config.server.host, Authenticator.from_config(config, assistant.keys))
@@ -104,6 +106,23 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
             gateway.close()
         assistant.close()
         print("Stopped.", flush=True)
+
+
+def _preload_large(assistant: Any) -> None:
+    """The large model for document questions loads while the server starts serving (~20 s on 2 cores),
+    not on the first question that needs it; a turn that needs it meanwhile waits for it."""
+    large = assistant.config.engine.large_model
+    start = time.monotonic()
+
+    def done(engine: Any, error: str) -> None:
+        if engine is not None:
+            print(f"Large model {large} ready for document questions ({time.monotonic() - start:.0f} s).", flush=True)
+        else:
+            print(f"The large model {large} could not be loaded ({error}); document questions use "
+                  f"{assistant.config.engine.model}.", flush=True)
+
+    if assistant.models.preload_large(done):
+        print(f"Loading the large model {large} for document questions in the background...", flush=True)
 
 
 def _log_access_to(path: Path) -> None:
