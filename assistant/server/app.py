@@ -111,7 +111,11 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
 def _preload_large(assistant: Any) -> None:
     """The large model for document questions loads while the server starts serving (~20 s on 2 cores),
     not on the first question that needs it; a turn that needs it meanwhile waits for it."""
+    from assistant.models import known_model_names, resolve_model_name
+
     large = assistant.config.engine.large_model
+    if large in known_model_names():  # "large" (engine.large_model = "auto") by its own name
+        large = resolve_model_name(large).name
     start = time.monotonic()
 
     def done(engine: Any, error: str) -> None:
