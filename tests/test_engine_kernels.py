@@ -663,3 +663,21 @@ def test_the_engine_thread_count_reaches_the_kernels(ops):
     finally:
         torch.set_num_threads(before)
         ops.set_threads(kernels)
+
+
+@pytest.mark.parametrize("shape", [(300, 256), (70, 30), (129, 1)])
+def test_native_weight_quantization_is_the_torch_ops_to_the_bit(shape, monkeypatch):
+    """`quantize_pack` (one parallel pass, the engine build's) gives the scales, int8 weights and packed bytes of
+    the torch ops and `pack` it replaced, ties rounding to even and an all-zero row included."""
+    torch.manual_seed(5)
+    weight = torch.randn(*shape) * 0.05
+    weight[0] = 0.0  # scale from the 1e-8 floor
+    if shape[1] >= 8:
+        weight[1, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5])  # scale 1: every value a tie
+    lin = make_linear(weight, None, "native", monkeypatch)
+    scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(lin.scale, scale) and torch.equal(lin.weight, q)
+    assert torch.equal(lin.vnni, lin.native.pack(q))
+    if shape[1] >= 8:
+        assert lin.weight[1, :8].tolist() == [127, 2, -4, 0, 0, 2, 126, -126]

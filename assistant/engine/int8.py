@@ -112,14 +112,16 @@ class Linear:
         self.screened_rows = self.screened_candidates = 0  # statistics of `greedy_logits`
         if self.int8:
             w = weight.float()
+            on_cpu = w.device.type == "cpu"
+            if on_cpu and dtype == torch.float32 and (ext := int8_kernels()) is not None:
+                self.native = ext  # the fused kernel (native.py); the int8 weights serve steps past its rows
+                # the numbers of the torch ops below, in one parallel pass that packs them too
+                self.weight, self.scale, self.vnni = ext.quantize_pack(w)
+                self.bias = None if bias is None else self.bias.contiguous()  # the kernel reads it raw
+                return
             self.scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,) fp32
             self.weight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # (N, K)
-            on_cpu = self.weight.device.type == "cpu"
-            if on_cpu and dtype == torch.float32 and (ext := int8_kernels()) is not None:
-                self.native = ext  # the fused kernel (native.py); the int8 weights above serve prefill
-                self.vnni = ext.pack(self.weight)
-                self.bias = None if bias is None else self.bias.contiguous()  # the kernel reads it raw
-            elif on_cpu and fbgemm_matches_int_mm():
+            if on_cpu and fbgemm_matches_int_mm():
                 self.packed = fbgemm_pack(self.weight, self.scale)
             elif on_cpu and not int_mm_is_fast():
                 self.exact = exact_slices(self.weight)
