@@ -681,3 +681,6 @@ def test_native_weight_quantization_is_the_torch_ops_to_the_bit(shape, monkeypat
     assert torch.equal(lin.vnni, lin.native.pack(q))
     if shape[1] >= 8:
         assert lin.weight[1, :8].tolist() == [127, 2, -4, 0, 0, 2, 126, -126]
+    cut = [shape[0] // 3, shape[0] // 3 + 1]  # parts stacked along the outputs (a fused q/k/v) give the same
+    parts = Linear([weight[:cut[0]], weight[cut[0]:cut[1]], weight[cut[1]:]], None, "int8", torch.float32)
+    assert torch.equal(parts.scale, scale) and torch.equal(parts.weight, q) and torch.equal(parts.vnni, lin.vnni)

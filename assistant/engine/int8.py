@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +100,10 @@ SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard devi
 class Linear:
     """y = x @ W.T + b, with W kept as fp32/bf16 or as per-channel int8 + scales."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantize: str | None, dtype: torch.dtype,
-                 *, residual: bool = True, outliers: int = 0):
+    def __init__(self, weight: torch.Tensor | Sequence[torch.Tensor], bias: torch.Tensor | None, quantize: str | None,
+                 dtype: torch.dtype, *, residual: bool = True, outliers: int = 0):
+        """`weight` (N, K), or parts of it stacked along the outputs (a fused q/k/v or gate/up)."""
+        parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
         self.bias = None if bias is None else bias.to(dtype)
         self.int8 = quantize == "int8"
         self.residual = residual  # generated rows are refined here (False: one pass for every row)
@@ -111,14 +113,14 @@ class Linear:
         self.packed = self.native = self.screen = self.exact = None
         self.screened_rows = self.screened_candidates = 0  # statistics of `greedy_logits`
         if self.int8:
-            w = weight.float()
-            on_cpu = w.device.type == "cpu"
+            on_cpu = parts[0].device.type == "cpu"
             if on_cpu and dtype == torch.float32 and (ext := int8_kernels()) is not None:
                 self.native = ext  # the fused kernel (native.py); the int8 weights serve steps past its rows
                 # the numbers of the torch ops below, in one parallel pass that packs them too
-                self.weight, self.scale, self.vnni = ext.quantize_pack(w)
+                self.weight, self.scale, self.vnni = ext.quantize_pack([p.float() for p in parts])
                 self.bias = None if bias is None else self.bias.contiguous()  # the kernel reads it raw
                 return
+            w = torch.cat(parts).float()
             self.scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,) fp32
             self.weight = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # (N, K)
             if on_cpu and fbgemm_matches_int_mm():
@@ -126,7 +128,7 @@ class Linear:
             elif on_cpu and not int_mm_is_fast():
                 self.exact = exact_slices(self.weight)
         else:
-            self.weight = weight.to(dtype).contiguous()
+            self.weight = torch.cat(parts).to(dtype).contiguous()
 
     def __call__(self, x: torch.Tensor, rows: "RowSplit | None" = None) -> torch.Tensor:  # (T, K) -> (T, N)
         if not self.int8:

@@ -144,10 +144,10 @@ class Transformer:
         self.layers = []
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_w = [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]  # fused by Linear, uncopied
             biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
-            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            gate_up = [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
             self.layers.append({
                 "attn_norm": get(p + "input_layernorm.weight").to(dtype),
                 "qkv": linear("qkv", qkv_w, qkv_b),

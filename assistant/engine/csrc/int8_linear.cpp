@@ -179,18 +179,26 @@ torch::Tensor pack(torch::Tensor w) {
   return u.view({Np / BLOCK, BLOCK, Kp / 4, 4}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// fp32 (N, K) weights -> [int8 (N, K), scales fp32 (N,), `pack` of the int8] in one pass over the weights, parallel
-// over blocks of 64 outputs: the same numbers as int8.py's torch ops (scale = max(max|w|, 1e-8) / 127, q =
-// clamp(round_half_even(w / scale), -127, 127)), which took ~7 s of the 1.5B model's ~20 s engine build and
-// `pack` ~5 s more, one thread each.
-std::vector<torch::Tensor> quantize_pack(torch::Tensor w) {
-  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2, "quantize_pack wants fp32 (N, K) weights");
-  w = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), K4 = (K + 3) / 4, blocks = (N + BLOCK - 1) / BLOCK;
-  auto q = torch::empty({N, K}, w.options().dtype(torch::kInt8));
-  auto scale = torch::empty({N}, w.options());
-  auto packed = torch::empty({blocks, K4, BLOCK, 4}, w.options().dtype(torch::kUInt8));
-  const float* wp = w.data_ptr<float>();
+// fp32 weights, given as parts stacked along the outputs ((N_i, K) each: q, k and v; gate and up), -> [int8 (N, K),
+// scales fp32 (N,), `pack` of the int8] in one pass over the weights, parallel over blocks of 64 outputs, with no
+// concatenated fp32 copy: the same numbers as int8.py's torch ops (scale = max(max|w|, 1e-8) / 127, q =
+// clamp(round_half_even(w / scale), -127, 127)). The 1.5B model's engine build spent ~7 s in those ops, ~5 s in
+// `pack` and ~3.5 s concatenating fp32 parts, one thread each.
+std::vector<torch::Tensor> quantize_pack(std::vector<torch::Tensor> parts) {
+  TORCH_CHECK(!parts.empty(), "quantize_pack wants at least one part");
+  const int64_t K = parts[0].size(1);
+  std::vector<const float*> rows_of;
+  for (auto& part : parts) {
+    TORCH_CHECK(part.dtype() == torch::kFloat32 && part.dim() == 2 && part.size(1) == K,
+                "quantize_pack wants fp32 (N_i, K) parts with one K");
+    part = part.contiguous();
+    for (int64_t i = 0; i < part.size(0); ++i) rows_of.push_back(part.data_ptr<float>() + i * K);
+  }
+  const int64_t N = static_cast<int64_t>(rows_of.size()), K4 = (K + 3) / 4, blocks = (N + BLOCK - 1) / BLOCK;
+  const auto options = parts[0].options();
+  auto q = torch::empty({N, K}, options.dtype(torch::kInt8));
+  auto scale = torch::empty({N}, options);
+  auto packed = torch::empty({blocks, K4, BLOCK, 4}, options.dtype(torch::kUInt8));
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -203,7 +211,7 @@ std::vector<torch::Tensor> quantize_pack(torch::Tensor w) {
           for (int64_t k = 0; k < K4 * 4; ++k) block[((k / 4) * BLOCK + r) * 4 + k % 4] = 128;
           continue;
         }
-        const float* row = wp + n * K;
+        const float* row = rows_of[n];
         float amax = 0.f;
         for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
         const float s = std::max(amax, 1e-8f) / 127.f;
@@ -327,7 +335,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor ws, c1
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();  // steps run on the engine thread
   m.def("pack", &pack, nogil, "int8 (N, K) -> VNNI-packed weights + 128 (u8)");
-  m.def("quantize_pack", &quantize_pack, nogil, "fp32 (N, K) weights -> int8 weights, their scales and `pack` of them");
+  m.def("quantize_pack", &quantize_pack, nogil, "fp32 weight parts (stacked) -> int8 weights, their scales and `pack` of them");
   m.def("quantize", &quantize, nogil, "rows -> int8 GEMM rows (with residual rows) and row scales");
   m.def("finish", &finish, nogil, "int32 accumulators -> fp32 outputs");
   m.def("linear", &linear, nogil, "fused decode linear (quantize, VNNI GEMV, epilogue)");
