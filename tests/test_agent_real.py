@@ -149,7 +149,7 @@ def test_three_turn_conversation_survives_a_server_restart(models_dir, tmp_path)
         assert "Rome" in client.predict("And of Italy?", api_name="/ask")
         cid = client.predict(api_name="/conversation")
     finally:
-        _stop(proc)
+        _stop(proc, 15)  # as `docker stop` or systemd stop it: closed like on Ctrl-C, the conversation kept
     assert cid
     proc = _start_server(models_dir, tmp_path, port)
     try:

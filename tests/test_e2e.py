@@ -71,13 +71,16 @@ def _start_server(models_dir: Path, data_dir: Path, port: int) -> subprocess.Pop
     raise AssertionError("server did not start within 240 s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(2)  # Ctrl-C
+def _stop(proc: subprocess.Popen, sig: int = 2) -> None:
+    """Ctrl-C (2), or a service manager's stop (15); either way the server closes everything and says so."""
+    proc.send_signal(sig)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("server did not stop on Ctrl-C")
+        raise AssertionError(f"server did not stop on signal {sig}")
+    output = proc.stdout.read()
+    assert proc.returncode in (0, 1) and output.rstrip().endswith("Stopped."), output[-2000:]
 
 
 def test_web_chat_with_gradio_client(models_dir, tmp_path):

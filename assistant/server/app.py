@@ -17,6 +17,7 @@ app's `Assistant` (assistant/app.py) and closes it on the way out.
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -97,6 +98,7 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
         app = create_app(assistant, gateway=gateway)
         base = f"http://{config.server.host}:{config.server.port}"
         print(f"Web chat on {base}  ·  OpenAI-compatible API on {base}/v1  (Ctrl-C to stop)", flush=True)
+        _exit_on_sigterm()
         uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning",
                     timeout_graceful_shutdown=3)  # open streams (browser tabs) must not block Ctrl-C
     finally:
@@ -106,6 +108,17 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
             gateway.close()
         assistant.close()
         print("Stopped.", flush=True)
+
+
+def _exit_on_sigterm() -> None:
+    """A service manager's stop (SIGTERM, `docker stop`): uvicorn shuts down gracefully and then raises the signal
+    again, whose default action ended the process before `serve` closed the assistant (its store, library and
+    engines); as SystemExit it goes through the `finally` like Ctrl-C does."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
 
 def _preload_large(assistant: Any) -> None:
