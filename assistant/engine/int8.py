@@ -46,7 +46,8 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     rows (decode steps of up to 16 sequences or speculated tokens, small chunks) go through one fused
     call (row quantization, residual rows, a VNNI GEMM that streams each weight byte from memory once
     for all rows, epilogue; csrc/int8_linear.cpp has the design note); more rows through the same
-    kernel-side quantization and epilogue around `torch._int_mm` (oneDNN). Decode step, Qwen2.5-0.5B,
+    kernel-side quantization and epilogue around `torch._int_mm` (oneDNN), which costs about twice as much
+    per row here, so prompts go in steps of MAX_ROWS tokens (model.py `step_rows`). Decode step, Qwen2.5-0.5B,
     2 threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
     that time went). Past a few rows a step is bound by multiply-adds, not bytes: the machine does
     ~2.5-2.8e9 `vpdpbusd` a second (both vCPUs together), ~2.2 ms of them per GEMM row of this model,

@@ -22,7 +22,8 @@ only the candidates exactly (int8.py says what it saves). What else a step spent
 tokens of context (43 ms): 29 ms GEMVs, 6 ms head, 2.4 ms attention, and 4.5 ms in Python and ~40
 small PyTorch ops per layer (silu, chunk, adds). csrc/decode_stack.cpp runs all layers of a step
 whose sequences attend natively in one call (the same kernels in the same order, bit-identical to
-model.py's loop, which still runs steps with a long prefill chunk), with SwiGLU as one more kernel:
+model.py's loop, which still runs a step with more than 32 new tokens of a sequence; on this path prompts
+go in 32-token steps, `Transformer.step_rows`), with SwiGLU as one more kernel:
 step 42.3 -> 39.7 ms (medians, alternating, same run).
 Steps with several rows (concurrent streams, speculated tokens). A step with R decode rows is 2R GEMM
 rows (each row's residual row), and once the weights are streamed the multiply-adds decide: this
