@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
-from assistant.brevity import SentenceCap
+from assistant.brevity import SentenceCap, repeating
 from assistant.citations import SourceLedger
 from assistant.compound import question_parts
 from assistant.config import AssistantConfig
@@ -60,6 +60,8 @@ from tools.retrieval import SCOPE, is_follow_up
 FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
 FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in plain text, using the tool results "
                 "above. Do not write any tool call."}
+LOOPING = ("The answer was stopped because the model began repeating itself. Asking for something shorter or "
+           "more specific, or choosing the large model, may help.")
 REPEATED_CALL = ("You already made exactly this call in this turn; its result is above. Change the arguments "
                  "(fix the error it showed) or answer the question.")
 IN_WORDS = {"role": "system", "content": "That reply gave only a passage number. Answer the user's question in a full "
@@ -280,10 +282,12 @@ class AgentLoop:
             splitter = ToolCallSplitter([t.name for t in offered])
             cap = SentenceCap(limit)
             last_flush, call_start = time.monotonic(), len(emitter.said)
+            looping = False
             for delta in stream:
                 turn.track(delta)
                 yield from emitter.emit(cap.feed(splitter.feed(delta.text)))
-                if cap.done:
+                looping = not delta.finish_reason and repeating(emitter.said[call_start:])
+                if cap.done or looping:
                     if not delta.finish_reason:  # still generating: stop it; the engine frees the request
                         close_if_closable(stream)
                         turn.end_call("stop")
@@ -293,6 +297,9 @@ class AgentLoop:
                     last_flush = time.monotonic()
             reply, rest = splitter.finish()
             yield from emitter.emit(cap.feed(rest) + cap.finish())
+            if looping:
+                yield Notice(LOOPING)
+                break
             if turn.finish == "cancelled":
                 break
             if not reply.wants_tools:

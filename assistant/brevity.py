@@ -87,3 +87,27 @@ class SentenceCap:
             if counted == self.limit + 1:
                 return at
         return None
+
+
+# A loop: the small model, asked for long prose ("Write a long story about a lighthouse keeper."), can fall
+# into one clause said over and over until max_tokens ("and it was covered in a thick layer of sandstone,
+# gravel, and limestone, " ~70 characters, 15 times and on). `repeating` sees it once the answer ends in one
+# unit of 10-200 characters said at least three times over 240 characters or more: short of that, code
+# with a few identical lines or a table of equal rows is not taken for a loop.
+REPEAT_UNIT = (10, 200)  # characters of the repeated unit
+REPEAT_SPAN = 240  # characters the repeats must cover, at least three of them
+
+
+def repeating(text: str) -> bool:
+    """Whether `text` ends in one unit said over and over (see above)."""
+    n = len(text)
+    if n < REPEAT_SPAN:
+        return False
+    for p in range(REPEAT_UNIT[0], min(REPEAT_UNIT[1], n // 3) + 1):
+        times = max(3, -(-REPEAT_SPAN // p))
+        if times * p > n:
+            continue
+        unit = text[n - p:]
+        if all(text[n - (i + 1) * p:n - i * p] == unit for i in range(1, times)):
+            return True
+    return False

@@ -68,3 +68,34 @@ def test_a_document_answer_stops_generating_after_two_sentences(tmp_path):
                " The warranty period is 7 years [1].", " Clean the pre-filter monthly [1]."]
     whole, _ = make_assistant(tmp_path / "summary", summary, retriever=FakeRetriever(MANUAL))
     assert "pre-filter monthly" in list(whole.turn(None, "Summarise zephyr_manual.pdf"))[-1].text
+
+
+def test_a_loop_is_seen_once_one_unit_repeats_over_the_span():
+    from assistant.brevity import REPEAT_SPAN, repeating
+
+    story = "The keeper climbed the stairs at dusk and lit the lamp. "
+    loop = "and it was covered in a thick layer of sandstone, gravel, and limestone, "
+    assert not repeating(story + loop * 3)  # 219 characters: not yet
+    text = story + loop * 4
+    assert len(loop) * 4 >= REPEAT_SPAN and repeating(text)
+    assert repeating(text + loop[:17])  # wherever in the unit the stream stands
+    # what is not a loop: a few identical code lines, a table of equal rows, a short answer said twice
+    assert not repeating("```python\n" + "print('hi')\n" * 4 + "```\n" + story * 2)
+    assert not repeating(story + "| 0 | 0 | 0 |\n" * 5)
+    assert not repeating(story * 2 + "asn1_print_structure prints everything [1]. " * 2)
+    assert repeating(story + "." * 300)  # one character over and over is a loop too (its 10-character units repeat)
+
+
+def test_a_looping_answer_is_stopped_with_a_notice(tmp_path):
+    from assistant.agent_loop import LOOPING
+    from assistant.events import Done, Notice
+    from tests.agent_fakes import make_orchestrator
+
+    loop = "and it was covered in a thick layer of sandstone, gravel, and limestone, "
+    orch, engine = make_orchestrator(tmp_path, "Once upon a time the keeper lit the lamp, " + loop * 40)
+    events = list(orch.run_turn(None, "Write a long story about a lighthouse keeper."))
+    notices = [e.message for e in events if isinstance(e, Notice)]
+    done = [e for e in events if isinstance(e, Done)][-1]
+    assert LOOPING in notices
+    answer = orch.store.history(done.conversation_id)[-1].content
+    assert answer.count(loop.strip()) <= 5 and "lit the lamp" in answer  # stopped early, what came before kept
