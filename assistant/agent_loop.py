@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
-from assistant.brevity import SentenceCap, repeating
+from assistant.brevity import REPEAT_TAIL, SentenceCap, repeating
 from assistant.citations import SourceLedger
 from assistant.compound import question_parts
 from assistant.config import AssistantConfig
@@ -286,7 +286,8 @@ class AgentLoop:
             for delta in stream:
                 turn.track(delta)
                 yield from emitter.emit(cap.feed(splitter.feed(delta.text)))
-                looping = not delta.finish_reason and repeating(emitter.said[call_start:])
+                tail = emitter.said[max(call_start, len(emitter.said) - REPEAT_TAIL):]  # not the whole answer, per token
+                looping = not delta.finish_reason and repeating(tail)
                 if cap.done or looping:
                     if not delta.finish_reason:  # still generating: stop it; the engine frees the request
                         close_if_closable(stream)

@@ -96,6 +96,7 @@ class SentenceCap:
 # with a few identical lines or a table of equal rows is not taken for a loop.
 REPEAT_UNIT = (10, 200)  # characters of the repeated unit
 REPEAT_SPAN = 240  # characters the repeats must cover, at least three of them
+REPEAT_TAIL = 3 * REPEAT_UNIT[1]  # the most of an answer's end that `repeating` reads
 
 
 def repeating(text: str) -> bool:
