@@ -5,8 +5,8 @@ Design note — the policy (`RoutingPolicy`):
   * a call goes to the large model when the prompt is long (>= long_prompt_tokens), when it carries
     retrieved document passages, or when it follows a tool step of this turn (reading tool output
     and deciding what to do next is where the small model fails most) — the "tool-heavy" case;
-  * the large engine is created on first use (loading it takes a while: ~20 s for the packaged 1.5B
-    model on 2 cores), or at once on a thread of its own with `preload()` (the server does, so that the
+  * the large engine is created on first use (loading it takes a while: ~8 s for the packaged 1.5B
+    model on 2 cores, its int8 engine build included), or at once on a thread of its own with `preload()` (the server does, so that the
     first document question does not wait for it; a call that needs it meanwhile waits); if it cannot be created
     (not prepared), is overloaded (`EngineBusy`) or fails before its first token, the call falls
     back to the small model and the orchestrator emits a Notice saying why. A large model that

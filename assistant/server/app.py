@@ -89,16 +89,17 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
     if assistant is None:
         print(f"Loading model {config.engine.model}...", flush=True)
         assistant = build_assistant(config)
-    _preload_large(assistant)
     gateway = app = None
+    previous_sigterm = None
     try:
         check_bind(config.server.host, Authenticator.from_config(config, assistant.keys))
+        _preload_large(assistant)  # once the address is known to be usable: nothing loaded for a refused start
         _log_access_to(Path(config.data_dir) / "logs" / "access.jsonl")
         gateway = Gateway.from_assistant(assistant)
         app = create_app(assistant, gateway=gateway)
         base = f"http://{config.server.host}:{config.server.port}"
         print(f"Web chat on {base}  ·  OpenAI-compatible API on {base}/v1  (Ctrl-C to stop)", flush=True)
-        _exit_on_sigterm()
+        previous_sigterm = _exit_on_sigterm()
         uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="warning",
                     timeout_graceful_shutdown=3)  # open streams (browser tabs) must not block Ctrl-C
     finally:
@@ -107,23 +108,30 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
         if gateway is not None:
             gateway.close()
         assistant.close()
+        if previous_sigterm is not None:  # a caller's own handler (serve run in-process) back as it was
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_sigterm)
         print("Stopped.", flush=True)
 
 
-def _exit_on_sigterm() -> None:
+def _exit_on_sigterm() -> Any:
     """A service manager's stop (SIGTERM, `docker stop`): uvicorn shuts down gracefully and then raises the signal
     again, whose default action ended the process before `serve` closed the assistant (its store, library and
-    engines); as SystemExit it goes through the `finally` like Ctrl-C does."""
+    engines); as SystemExit it goes through the `finally` like Ctrl-C does. -> the handler it replaced (None off
+    the main thread, where signals cannot be handled)."""
     import signal
     import threading
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
 
 def _preload_large(assistant: Any) -> None:
-    """The large model for document questions loads while the server starts serving (~20 s on 2 cores),
-    not on the first question that needs it; a turn that needs it meanwhile waits for it."""
+    """The large model for document questions loads while the server starts serving (14-17 s at `make run`'s
+    start on 2 cores, beside the small model's), not on the first question that needs it; a turn that needs it
+    meanwhile waits for it."""
     from assistant.models import known_model_names, resolve_model_name
 
     large = assistant.config.engine.large_model

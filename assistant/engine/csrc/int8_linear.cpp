@@ -171,7 +171,8 @@ torch::Tensor pad_weights(torch::Tensor w) {
 }
 
 // int8 (N, K) weights -> w + 128 as u8 in the VNNI block layout (blocks, K4, 64, 4) (padding: 128, against
-// activations that are 0 there)
+// activations that are 0 there). The layout's plain definition in tensor ops: the engine packs with
+// `quantize_pack`, and the tests hold it to this.
 torch::Tensor pack(torch::Tensor w) {
   auto padded = pad_weights(w);
   const int64_t Np = padded.size(0), Kp = padded.size(1);
