@@ -298,7 +298,8 @@ class AgentLoop:
                     last_flush = time.monotonic()
             reply, rest = splitter.finish()
             yield from emitter.emit(cap.feed(rest) + cap.finish())
-            if looping:
+            if looping:  # the answer ends here: what the transformers still hold goes out before the notice
+                yield from emitter.finish()
                 yield Notice(LOOPING)
                 break
             if turn.finish == "cancelled":

@@ -110,7 +110,8 @@ class AllowAll:
 class StreamTransformer:
     """Wraps emitted answer text. `feed` gets each TextDelta (and any event an earlier transformer
     emitted) and returns the events to emit in its place; `finish` flushes what it held back at the end
-    of the answer. The default passes everything through."""
+    of the answer, or of a part of it that ended early (a loop stopped before a notice): it may be called
+    again, and then flushes only what was fed since. The default passes everything through."""
 
     def feed(self, event: TurnEvent) -> Sequence[TurnEvent]:
         return (event,)

@@ -99,3 +99,21 @@ def test_a_looping_answer_is_stopped_with_a_notice(tmp_path):
     assert LOOPING in notices
     answer = orch.store.history(done.conversation_id)[-1].content
     assert answer.count(loop.strip()) <= 5 and "lit the lamp" in answer  # stopped early, what came before kept
+
+
+def test_a_looping_answer_shows_its_last_words_before_the_notice(tmp_path):
+    """A transformer that holds text (the output guard holds the unfinished sentence) releases it before the
+    notice, not after: the notice is the last thing the user reads."""
+    from assistant.agent_loop import LOOPING
+    from assistant.events import Notice, TextDelta
+    from tests.agent_fakes import make_assistant
+    from tests.test_seams import HoldAll
+
+    loop = "and it was covered in a thick layer of sandstone, gravel, and limestone, "
+    assistant, _ = make_assistant(tmp_path, "Once upon a time the keeper lit the lamp, " + loop * 40,
+                                  transformers=[HoldAll()])
+    events = list(assistant.turn(None, "Write a long story about a lighthouse keeper."))
+    at = next(i for i, e in enumerate(events) if isinstance(e, Notice) and e.message == LOOPING)
+    shown = "".join(e.text for e in events[:at] if isinstance(e, TextDelta))
+    assert "lit the lamp" in shown and loop.strip() in shown
+    assert not any(isinstance(e, TextDelta) and e.text for e in events[at:])

@@ -121,7 +121,8 @@ class HoldAll(StreamTransformer):
         return [event]
 
     def finish(self):
-        return [TextDelta("".join(self.held).replace("secret", "[redacted]"))]
+        text, self.held = "".join(self.held), []
+        return [TextDelta(text.replace("secret", "[redacted]"))] if text else []
 
 
 def test_stream_transformers_wrap_the_emitted_text_and_what_is_stored(tmp_path):
