@@ -20,11 +20,16 @@
 // each row's broadcast rides on the instruction (no register, no extra uop). A tile of TILE_ROWS rows x 64 outputs
 // keeps 24 accumulators and the 4 weight vectors in the 32 zmm registers (8 rows spilled: the old kernel's 8-row
 // pass cost 2.3x its 4-row pass). Past one tile, a block's K runs in chunks of CHUNK words (8 KB of weights,
-// L1-resident): every tile passes over a chunk, its accumulators parked in an L1 buffer between chunks, and each of
-// a chunk's T tiles prefetches every T-th word group of the next chunk, so the memory stream keeps flowing under all
+// L1-resident): every tile passes over a chunk, its accumulators parked in an L1 buffer between chunks, and every
+// tile prefetches each word group of the stream ahead as it loads one, so the memory stream keeps flowing under all
 // the tiles' multiply-adds instead of waiting for them pass by pass (the old kernel re-read a whole block from L2
 // per 8-row pass; with the first tile prefetching the whole next chunk, the stream stalled while the later tiles
-// ran: gate_up at 8 rows 14.3-15.2 -> 12.6-13.2 ms, native.py).
+// ran: gate_up at 8 rows 14.3-15.2 -> 12.6-13.2 ms, native.py). The later tiles' prefetches repeat the first's, and
+// that pays: with each of T tiles prefetching only every T-th word group, gate_up + down of 24 layers at 8 rows
+// took 8.3 ms, with every tile prefetching all of them 7.4-7.5 (12 rows 8.7-9.0 -> 7.9-8.1, 16 rows 9.0-9.2 ->
+// 8.8; 2026-11-30, Zen 5, 2 threads, alternating builds in one process), the same bits. Our reading, not
+// measured: a prefetch that finds the core's miss buffers full is dropped, and a repeat catches it (the first
+// tile alone prefetching every group was 19% slower at 16 rows, 3 tiles, than all of them doing it).
 // Outlier rows (int8.py `Linear.outliers`, the default refinement on `down`) need no extra GEMM row: a refined
 // row's m largest |x| are zeroed before its quantization (take_outliers: one vector compare per 16 inputs against
 // the m-th largest so far) and their fp32 sum through the block's int8 columns is added in the epilogue, read from
@@ -53,32 +58,19 @@ constexpr int64_t QUANTIZE_GRAIN = 4;  // rows per thread when a step's rows are
 constexpr int64_t CHUNK = 32;       // K words per chunk when a block takes several tiles: 8 KB of weights
 
 // Rows r0 .. r0 + R over K words [k0, k0 + n) of one block (w: the block's packed bytes): accumulators read
-// from and written back to acc (zeroed when k0 == 0). Tile `tile` of `tiles` prefetches the word groups
-// kg = tile, tile + tiles, ... of the stream ahead (a single tile: every one).
+// from and written back to acc (zeroed when k0 == 0). Every word group's load prefetches the one PREFETCH bytes
+// ahead, whichever tile of a chunk it is: a later tile's prefetches repeat the first one's (see the design note).
 template <int R>
-void tile_chunk(const uint8_t* w, const int32_t* x, int64_t K4, int64_t k0, int64_t n, int tile, int tiles,
-                int32_t (*acc)[BLOCK]) {
+void tile_chunk(const uint8_t* w, const int32_t* x, int64_t K4, int64_t k0, int64_t n, int32_t (*acc)[BLOCK]) {
   __m512i a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = k0 ? _mm512_load_si512(acc[r] + 16 * j) : _mm512_setzero_si512();
   const uint8_t* base = w + k0 * 256;
-  if (tiles == 1) {
-    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) {
-      const uint8_t* p = base + kg * 256;
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
-      for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(p + 64 * j);
-    }, x + k0, K4, n, a);
-  } else {
-    int64_t next = tile;
-    int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) {
-      const uint8_t* p = base + kg * 256;
-      if (kg == next) {
-        for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
-        next += tiles;
-      }
-      for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(p + 64 * j);
-    }, x + k0, K4, n, a);
-  }
+  int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) {
+    const uint8_t* p = base + kg * 256;
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(p + 64 * j);
+  }, x + k0, K4, n, a);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_store_si512(acc[r] + 16 * j, a[r][j]);
 }
@@ -97,17 +89,12 @@ void run_blocks(const Rows& rows, const uint8_t* packed, const int32_t* xb, int6
                 const float* ws, const float* xscale, const float* bias, float* out, int64_t N, int64_t b0, int64_t b1) {
   alignas(64) int32_t acc[MAX_ROWS][BLOCK];
   const int64_t chunk = rows.total <= TILE_ROWS ? K4 : CHUNK;
-  const int tiles = static_cast<int>((rows.total + TILE_ROWS - 1) / TILE_ROWS);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = packed + b * K4 * 256;
     for (int64_t k0 = 0; k0 < K4; k0 += chunk) {
       const int64_t n = std::min(chunk, K4 - k0);
-      int tile = 0;
       int8k::for_each_tile(rows.total, [&](int64_t r0, int64_t R) {
-        int8k::dispatch_rows(R, [&]<int T>() {
-          tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, tile, tiles, acc + r0);
-        });
-        ++tile;
+        int8k::dispatch_rows(R, [&]<int T>() { tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, acc + r0); });
       });
     }
     for (int64_t i = 0; i < rows.n; ++i) {
