@@ -47,7 +47,9 @@ k-th of T tiles every T-th word group) instead of the first tile all of it: the 
 flows under every tile's multiply-adds. gate_up-shaped linear at 8 rows, 24 weight copies, alternating
 builds: 14.3-15.2 -> 12.6-13.2 ms (1 row unchanged, 9.8-10.9 ms); (3) the screened head runs its
 4-bit stream the same way, in chunks with shared prefetch; (4) greedy tokens come from a native argmax
-(csrc/lm_head.cpp `argmax_rows`: torch's took 1.1 ms for 8 rows of 151,936 logits). With all of them:
+(csrc/lm_head.cpp `argmax_rows`: torch's took 1.1 ms for 8 rows of 151,936 logits). [2026-11-30: the
+linears' tiles now all prefetch every word group, the later ones repeating the first's (int8_linear.cpp),
+which took 8-row steps from 1.42x to 1.26x a 1-row step; the head keeps the split of (3).] With all of them:
 aggregate at 8 streams 4.59-4.72x one stream's in three bench runs (engine step 36.4 ms at 8 streams
 against 22.4 ms at 1; the model's step curve 1.69-1.80x at 8 rows). Batch-1 decode gained as well,
 since a generated row's gate_up is now one GEMM row: 39 -> 43-46 tok/s, same run, alternating processes.

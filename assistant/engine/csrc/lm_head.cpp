@@ -58,9 +58,11 @@ struct Screen {  // the per-output data of the 4-bit copy
 // (h + 8) . q for rows r0 .. r0 + R over K words [k0, k0 + n) of one block of 64 outputs (w: the block's nibbles;
 // the nibbles are vpdpbusd's unsigned operand, the activations its signed one, as in int8_linear.cpp):
 // accumulators read from and written back to acc (zeroed when k0 == 0). As in int8_linear.cpp, rows past one
-// tile run the block's K in chunks, every tile over a chunk while it is in L1, and tile `tile` of `tiles`
+// tile run the block's K in chunks, every tile over a chunk while it is in L1; here tile `tile` of `tiles`
 // prefetches every tiles-th word group ahead: the memory stream then flows under every tile's multiply-adds
-// instead of stopping while the later tiles of a block compute (native.py has the figures).
+// instead of stopping while the later tiles of a block compute (native.py has the figures). int8_linear.cpp's
+// tiles now all prefetch every group; here that was slower (2026-11-30, 12 rows 2.7-2.8 -> 5.1-5.2 ms, 16 rows
+// 4.0 -> 4.7-4.8, 8 rows 2.0 -> 1.9), so the head keeps its split.
 template <int R>
 void screen_chunk(const uint8_t* w, const int32_t* xb, int64_t K4, int64_t k0, int64_t n, int tile, int tiles,
                   int32_t* acc) {
