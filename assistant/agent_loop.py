@@ -55,7 +55,7 @@ from assistant.seams import InputGuard, StreamTransformer, close_if_closable
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
 from tools.base import ToolContext, ToolResult
 from tools.registry import ToolRegistry
-from tools.retrieval import SCOPE, is_follow_up
+from tools.retrieval import DOCUMENT_TOOLS, SCOPE, is_follow_up
 
 FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
 FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in plain text, using the tool results "
@@ -236,10 +236,12 @@ class AgentLoop:
         are the stored conversation (the rest: earlier parts of a compound question, assistant/compound.py);
         returns the stored conversation, its ids and the memory as summarising left them."""
         own = len(chat) if own is None else own
-        by_name = {t.name: t for t in tools}
         ctx = ToolContext(turn.cid, turn.ledger, extra={SCOPE: turn.scope})
         history = user_questions(chat)
         context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
+        if found is not None and not found.about_documents:  # nor the document tools (tools/retrieval.py)
+            tools = [t for t in tools if t.name not in DOCUMENT_TOOLS]
+        by_name = {t.name: t for t in tools}
         if found is not None and found.count and context:
             if (yield from self._count(turn, user, found, emitter, context, params, cancel)):
                 return chat[:own], ids, memory

@@ -157,6 +157,28 @@ def test_auto_retrieval_leaves_out_unrelated_hits(tmp_path):
     assert engine.prompts[1][-2]["content"].startswith("Passages")
 
 
+def test_a_question_off_the_documents_is_not_offered_the_document_tools(tmp_path):
+    """With all three tools in its prompt the 0.5B model refused to write a story; a question the prefetch
+    finds nothing for gets the code interpreter, not the document tools. One that names the documents
+    keeps them."""
+    from tools.base import Tool, ToolResult
+
+    class Python(Tool):
+        name, description = "python", "Run code."
+        inputs = {"code": {"type": "string", "description": "the code"}}
+
+        def forward(self, code):
+            return ToolResult("6765")
+
+    orch, engine = make_orchestrator(tmp_path, "Once upon a time.", "It covers 7 years [1].", tools=[Python()],
+                                     retriever=Measured(MANUAL, {"warranty": 0.72}))
+    names = lambda specs: {s["function"]["name"] for s in specs or []}  # noqa: E731
+    list(orch.run_turn(None, "Write a long story about a lighthouse keeper."))
+    assert names(engine.tools_seen[0]) == {"python"}
+    list(orch.run_turn(None, "How long is the warranty?"))  # close to a page: passages and every tool
+    assert names(engine.tools_seen[1]) == {"search_documents", "read_document", "python"}
+
+
 def test_unreadable_index_turns_document_tools_off_with_one_warning(caplog):
     from tools.retrieval import RetrieverHandle
 

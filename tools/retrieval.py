@@ -360,6 +360,9 @@ class ReadDocumentTool(Tool):
                           data=passages)
 
 
+DOCUMENT_TOOLS = frozenset({SearchDocumentsTool.name, ReadDocumentTool.name})  # not offered off the documents
+
+
 @dataclass(frozen=True)
 class Prefetched:
     """What DocumentPrefetch put into the turn: shown to the user as an automatic tool step."""
@@ -371,6 +374,7 @@ class Prefetched:
     count: bool = False  # a "how many" question over one section: the agent loop counts by listing
     texts: list[str] = field(default_factory=list)  # each passage's own text (no header): what the safety
                                                     # guard screens, so scores cached at ingest are found
+    about_documents: bool = True  # False: the question is not about the documents ("nothing relevant")
 
 
 def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
@@ -470,7 +474,12 @@ class DocumentPrefetch:
         (27 against 28 of 37 dev questions).
 
     Design note — is the question about the documents at all? Before any of that, a question that is
-    not gets nothing ("nothing relevant"; the search tool stays offered). Sharing a content word is no
+    not gets nothing ("nothing relevant"), and the agent loop does not offer it the document tools
+    either (`DOCUMENT_TOOLS`; the code interpreter stays): with all three tools in its prompt the packaged
+    0.5B model answered "Write a long story about a lighthouse keeper." and "Write a scary story set in an
+    abandoned train station." with "I'm sorry, but I can't assist with that.", and with any two of them or
+    none it wrote both stories (2026-11-30); a general turn's prompt is ~300 tokens shorter too. Sharing a
+    content word is no
     sign: with the nine eval documents in the library, 83 of 100 general questions ("What is 17 times
     23?", "Write a haiku about autumn") shared one ("times", "write") with some chunk, got passages,
     and grounding then withdrew "391" as a fact no passage held. A question is about the documents
@@ -505,7 +514,7 @@ class DocumentPrefetch:
                               texts=[p.text for p in shown])
         query = retrieval_query(question, history)
         if not self._about_documents(retriever, records, question, query, history, named):
-            return Prefetched("search_documents", {"query": query}, [], "nothing relevant")
+            return Prefetched("search_documents", {"query": query}, [], "nothing relevant", about_documents=False)
         if COUNTING.search(question) and callable(getattr(retriever, "section", None)):
             named = named_section(question)
             hits = retriever.search(named, 2 * self.k + 2, None) if named else []  # the section by its name first
