@@ -170,13 +170,15 @@ def test_a_question_off_the_documents_is_not_offered_the_document_tools(tmp_path
         def forward(self, code):
             return ToolResult("6765")
 
-    orch, engine = make_orchestrator(tmp_path, "Once upon a time.", "It covers 7 years [1].", tools=[Python()],
-                                     retriever=Measured(MANUAL, {"warranty": 0.72}))
+    orch, engine = make_orchestrator(tmp_path, "Once upon a time.", "It covers 7 years [1].", "There is none.",
+                                     tools=[Python()], retriever=Measured(MANUAL, {"warranty": 0.72}))
     names = lambda specs: {s["function"]["name"] for s in specs or []}  # noqa: E731
     list(orch.run_turn(None, "Write a long story about a lighthouse keeper."))
     assert names(engine.tools_seen[0]) == {"python"}
     list(orch.run_turn(None, "How long is the warranty?"))  # close to a page: passages and every tool
     assert names(engine.tools_seen[1]) == {"search_documents", "read_document", "python"}
+    list(orch.run_turn(None, "Read carol_plans.txt"))  # a file name, even one not in the library: the tools say so
+    assert names(engine.tools_seen[2]) == {"search_documents", "read_document", "python"}
 
 
 def test_unreadable_index_turns_document_tools_off_with_one_warning(caplog):

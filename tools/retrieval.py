@@ -40,6 +40,8 @@ MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
 MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
 DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
 DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
+# a file name, in the library or not ("read carol_plans.txt"): the document tools answer it ("No document")
+FILE_NAME = re.compile(r"\b[\w.+-]+\.(?:pdf|html?|md|markdown|docx|txt|text|rst|csv|log)\b", re.I)
 # a request about whole files: only with a document word or a file name ("deletes a whole structure" is not)
 # ("summary" only as "a summary of ...": "what are the summary and log files called" is a lookup)
 SUMMARY = re.compile(r"\b(summari[sz]e|summary of|compare|comparison|overview)\b", re.I)
@@ -483,8 +485,9 @@ class DocumentPrefetch:
     sign: with the nine eval documents in the library, 83 of 100 general questions ("What is 17 times
     23?", "Write a haiku about autumn") shared one ("times", "write") with some chunk, got passages,
     and grounding then withdrew "391" as a fact no passage held. A question is about the documents
-    when it names them (a document word, a file name or a word only one file's name has, a section
-    the library holds), when its best dense cosine to any chunk reaches `min_relevance`, or when a
+    when it names them (a document word, a file name, in the library or not, a word only one file's
+    name has, a section the library holds), when its best dense cosine to any chunk reaches
+    `min_relevance`, or when a
     passage found for it holds one of its specific terms (`specific_terms`: "OpenSSL", "PRAGMA",
     "'New in this release'"). A follow-up is judged with the two questions before it. At 0.4, 9 of the
     100 general questions get passages and all 215 eval questions still do (eval/general/gate.py)."""
@@ -551,7 +554,7 @@ class DocumentPrefetch:
     def _about_documents(self, retriever: Any, records: Sequence[dict], question: str, query: str,
                          history: Sequence[str], named: Sequence[str]) -> bool:
         """Whether `question` is about the documents at all (see the design note above)."""
-        if self.min_relevance <= 0 or named or DOCUMENT_WORDS.search(question):
+        if self.min_relevance <= 0 or named or DOCUMENT_WORDS.search(question) or FILE_NAME.search(question):
             return True
         section = named_section(question)  # 'New in this release' is one; "good morning" (to translate) is not
         if section and any(mentions(f"{getattr(h, 'heading', '') or ''}\n{getattr(h, 'text', '')}", section)
