@@ -475,22 +475,20 @@ class DocumentPrefetch:
         and cost two wrong-page citations. Five passages for every question lost more than they won
         (27 against 28 of 37 dev questions).
 
-    Design note — is the question about the documents at all? Before any of that, a question that is
-    not gets nothing ("nothing relevant"), and the agent loop does not offer it the document tools
-    either (`DOCUMENT_TOOLS`; the code interpreter stays): with all three tools in its prompt the packaged
-    0.5B model answered "Write a long story about a lighthouse keeper." and "Write a scary story set in an
-    abandoned train station." with "I'm sorry, but I can't assist with that.", and with any two of them or
-    none it wrote both stories (2026-11-30); a general turn's prompt is ~300 tokens shorter too. Sharing a
-    content word is no
-    sign: with the nine eval documents in the library, 83 of 100 general questions ("What is 17 times
-    23?", "Write a haiku about autumn") shared one ("times", "write") with some chunk, got passages,
-    and grounding then withdrew "391" as a fact no passage held. A question is about the documents
-    when it names them (a document word, a file name, in the library or not, a word only one file's
-    name has, a section the library holds), when its best dense cosine to any chunk reaches
-    `min_relevance`, or when a
-    passage found for it holds one of its specific terms (`specific_terms`: "OpenSSL", "PRAGMA",
-    "'New in this release'"). A follow-up is judged with the two questions before it. At 0.4, 9 of the
-    100 general questions get passages and all 215 eval questions still do (eval/general/gate.py)."""
+    Design note — is the question about the documents at all? Before any of that, a question that is not gets
+    nothing ("nothing relevant"), and the agent loop does not offer it the document tools either
+    (`DOCUMENT_TOOLS`; the code interpreter stays): with all three tools in its prompt the packaged 0.5B model
+    answered "Write a long story about a lighthouse keeper." and "Write a scary story set in an abandoned train
+    station." with "I'm sorry, but I can't assist with that.", and with python alone, the two document tools
+    alone or no tools it wrote both stories (2026-11-30); a general turn's prompt is shorter by their two specs too. Sharing a content word is
+    no sign: with the nine eval documents in the library, 83 of 100 general questions ("What is 17 times 23?",
+    "Write a haiku about autumn") shared one ("times", "write") with some chunk, got passages, and grounding
+    then withdrew "391" as a fact no passage held. A question is about the documents when it names them (a
+    document word, a file name, in the library or not, a word only one file's name has, a section the library
+    holds), when its best dense cosine to any chunk reaches `min_relevance`, or when a passage found for it
+    holds one of its specific terms (`specific_terms`: "OpenSSL", "PRAGMA", "'New in this release'"). A
+    follow-up is judged with the two questions before it. At 0.4, 9 of the 100 general questions get passages
+    and all 215 eval questions still do (eval/general/gate.py)."""
 
     def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000,
                  lists: Callable[[str, str, str], Sequence[str]] | None = None, min_relevance: float = 0.4) -> None:
