@@ -34,14 +34,16 @@ from typing import Any, Callable, Protocol, Sequence
 from assistant.citations import (QUOTED, Passage, SourceLedger, content_words, counted_noun, mentions, names,
                                  holds_plural_head, specific_terms)
 from assistant.seams import close_if_closable
+from ingest.parse import SUPPORTED_SUFFIXES
 from tools.base import Tool, ToolContext, ToolInputError, ToolResult
 
 MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
 MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
 DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
 DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
-# a file name, in the library or not ("read carol_plans.txt"): the document tools answer it ("No document")
-FILE_NAME = re.compile(r"\b[\w.+-]+\.(?:pdf|html?|md|markdown|docx|txt|text|rst|csv|log)\b", re.I)
+# a file name of a kind the library takes (ingest/parse.py), in the library or not ("read carol_plans.txt"):
+# the document tools answer it ("No document ...")
+FILE_NAME = re.compile(r"\b[\w.+-]+(?:" + "|".join(re.escape(s) for s in sorted(SUPPORTED_SUFFIXES)) + r")\b", re.I)
 # a request about whole files: only with a document word or a file name ("deletes a whole structure" is not)
 # ("summary" only as "a summary of ...": "what are the summary and log files called" is a lookup)
 SUMMARY = re.compile(r"\b(summari[sz]e|summary of|compare|comparison|overview)\b", re.I)

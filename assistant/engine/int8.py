@@ -50,9 +50,10 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     per row here, so prompts go in steps of MAX_ROWS tokens (model.py `step_rows`). Decode step, Qwen2.5-0.5B,
     2 threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
     that time went). Past a few rows a step is bound by multiply-adds, not bytes: the machine does
-    ~2.5-2.8e9 `vpdpbusd` a second (both vCPUs together), ~2.2 ms of them per GEMM row of this model,
-    so 8 rows refined on every linear (16 GEMM rows) could not cost less than ~36 ms of int8 work
-    whatever the layout; refined on `down` only they are ~10.3 GEMM rows.
+    ~2.5-2.8e9 `vpdpbusd` a second (both vCPUs together, the kernels then on one thread), ~2.2 ms of them
+    per GEMM row of this model, so 8 rows refined on every linear (16 GEMM rows) could not cost less than
+    ~36 ms of int8 work whatever the layout; refined on `down` only they are ~10.3 GEMM rows. (On the Zen 5
+    machine of 2026-11-30 a register-only loop does 8.4e9 a second per core: README, Benchmarks.)
     The prefill-chunk tuner in local.py measures what a step with prompt tokens costs and sizes
     chunks for its inter-token target.
   * without it, up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM

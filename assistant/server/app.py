@@ -17,7 +17,9 @@ app's `Assistant` (assistant/app.py) and closes it on the way out.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -109,8 +111,6 @@ def serve(config: AssistantConfig, *, assistant: Any = None) -> None:
             gateway.close()
         assistant.close()
         if previous_sigterm is not None:  # a caller's own handler (serve run in-process) back as it was
-            import signal
-
             signal.signal(signal.SIGTERM, previous_sigterm)
         print("Stopped.", flush=True)
 
@@ -120,9 +120,6 @@ def _exit_on_sigterm() -> Any:
     again, whose default action ended the process before `serve` closed the assistant (its store, library and
     engines); as SystemExit it goes through the `finally` like Ctrl-C does. -> the handler it replaced (None off
     the main thread, where signals cannot be handled)."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
