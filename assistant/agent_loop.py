@@ -239,6 +239,10 @@ class AgentLoop:
         ctx = ToolContext(turn.cid, turn.ledger, extra={SCOPE: turn.scope})
         history = user_questions(chat)
         context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
+        if found is not None and found.unknown:  # "Read notes.pdf" with no notes.pdf: said as it is, no model call
+            yield from emitter.emit(found.unknown)
+            turn.finish, turn.model, turn.route = "stop", "library", "library"
+            return chat[:own], ids, memory
         if found is not None and not found.about_documents:  # nor the document tools (tools/retrieval.py)
             tools = [t for t in tools if t.name not in DOCUMENT_TOOLS]
         by_name = {t.name: t for t in tools}
@@ -412,7 +416,7 @@ class AgentLoop:
             return [], None
         call_id = {"read_document": "auto_read", "read_section": "auto_section"}.get(found.tool, "auto_search")
         yield ToolCallStarted(call_id, found.tool, found.arguments)
-        yield ToolCallFinished(call_id, found.tool, True, found.summary)
+        yield ToolCallFinished(call_id, found.tool, not getattr(found, "unknown", ""), found.summary)
         context = []
         texts = getattr(found, "texts", None) or [None] * len(found.passages)
         for passage, own in zip(found.passages, texts):

@@ -1,4 +1,5 @@
 """Citations: markers verified against what this turn retrieved; made-up ones dropped; sources stored."""
+import json
 
 from assistant.citations import SourceLedger, verify_citations
 from assistant.events import Done, Sources, TextDelta, ToolCallFinished, ToolCallStarted, TurnStarted
@@ -170,15 +171,52 @@ def test_a_question_off_the_documents_is_not_offered_the_document_tools(tmp_path
         def forward(self, code):
             return ToolResult("6765")
 
-    orch, engine = make_orchestrator(tmp_path, "Once upon a time.", "It covers 7 years [1].", "There is none.",
-                                     tools=[Python()], retriever=Measured(MANUAL, {"warranty": 0.72}))
+    orch, engine = make_orchestrator(tmp_path, "Once upon a time.", "It covers 7 years [1].", "A purifier.",
+                                     "import csv", tools=[Python()], retriever=Measured(MANUAL, {"warranty": 0.72}))
     names = lambda specs: {s["function"]["name"] for s in specs or []}  # noqa: E731
     list(orch.run_turn(None, "Write a long story about a lighthouse keeper."))
     assert names(engine.tools_seen[0]) == {"python"}
     list(orch.run_turn(None, "How long is the warranty?"))  # close to a page: passages and every tool
     assert names(engine.tools_seen[1]) == {"search_documents", "read_document", "python"}
-    list(orch.run_turn(None, "Read carol_plans.txt"))  # a file name, even one not in the library: the tools say so
+    list(orch.run_turn(None, "Summarise zephyr_manual.pdf"))  # a file the library holds: every tool
     assert names(engine.tools_seen[2]) == {"search_documents", "read_document", "python"}
+    list(orch.run_turn(None, "Write a Python script that reads data.csv"))  # a file name alone is no sign
+    assert names(engine.tools_seen[3]) == {"python"}
+
+
+def test_a_file_that_is_not_there_is_answered_as_missing_without_a_search_or_a_model_call(tmp_path):
+    """"Read notes.pdf" with no notes.pdf had been searched, and the 0.5B model answered from another file's
+    passages; now the turn says which documents there are, and sends the model nothing."""
+    orch, engine = make_orchestrator(tmp_path, "It covers 7 years [1].", retriever=FakeRetriever(MANUAL))
+    for question in ("Read notes.pdf", "What does notes.pdf say about the filter?", "Summarise NOTES.PDF please",
+                     "Compare zephyr_manual.pdf and notes.pdf"):
+        events = list(orch.run_turn(None, question))
+        (step,) = [e for e in events if isinstance(e, ToolCallFinished)]
+        assert (step.name, step.ok) == ("read_document", False), question
+        missing = "'NOTES.PDF'" if "NOTES" in question else "'notes.pdf'"
+        assert step.summary == f"No document {missing}. Documents: zephyr_manual.pdf.", question
+        done = events[-1]
+        assert done.text.startswith(step.summary + " Upload it ") and done.finish_reason == "stop", question
+        assert not [e for e in events if isinstance(e, Sources)], question
+    assert engine.prompts == []  # no model call, and no passage of another file in any prompt
+    list(orch.run_turn(None, "What does zephyr_manual.pdf say about the filter?"))  # a file that is there
+    assert len(engine.prompts) == 1 and "HEPA" in json.dumps(engine.prompts[0])
+
+
+def test_which_file_names_a_question_asks_about():
+    from tools.retrieval import unknown_files
+
+    docs = ["libtasn1.pdf", "zstd-README.md"]
+    assert unknown_files("Read notes.pdf", docs) == ["notes.pdf"]
+    assert unknown_files("What is the warranty in report.docx?", docs) == ["report.docx"]
+    assert unknown_files("Does plan.txt mention a deadline?", docs) == ["plan.txt"]
+    assert unknown_files("What does README.md say?", docs) == ["README.md"]  # not zstd-README.md
+    assert unknown_files("Read LIBTASN1.PDF and notes.pdf", docs) == ["notes.pdf"]
+    assert unknown_files("Read libtasn1.pdf", docs) == []
+    assert unknown_files("Write a Python script that reads data.csv", docs) == []  # code about a file
+    assert unknown_files("Read https://example.com/index.html for me", docs) == []  # a web address
+    assert unknown_files("What is the difference between index.html and index.htm?", docs) == []  # no ask
+    assert unknown_files("[image 1 (unit.jpg): a photo; text read: X2]\nWhat is it?", docs) == []  # attached
 
 
 def test_unreadable_index_turns_document_tools_off_with_one_warning(caplog):

@@ -402,13 +402,16 @@ def test_another_keys_document_is_never_searched_read_or_cited_in_any_turn(tmp_p
         before = len(engine.prompts)
         outside = turn_via(client, path, bob, "read alice_plans.txt")
         unknown = turn_via(client, path, bob, "read carol_plans.txt")
-        if path != "v1":
+        if path != "v1":  # the same answer as for a name that is nowhere
             reads = [[s for s in tool_steps(e) if s["name"] == "read_document"] for e in (outside, unknown)]
-            assert [[s["ok"] for s in r] for r in reads] == [[False], [False]], path
-        observed = [m["content"] for p in engine.prompts[before:] for m in p if m["role"] == "tool"]
-        assert len(observed) == 2, path  # the same observation as for a name that is nowhere (maybe fenced as data)
-        assert "No document 'alice_plans.txt'. Documents: bob_notes.txt." in observed[0], path
-        assert "No document 'carol_plans.txt'. Documents: bob_notes.txt." in observed[1], path
+            assert [[(s["ok"], s["summary"]) for s in r] for r in reads] == [
+                [(False, f"No document '{name}'. Documents: bob_notes.txt.")]
+                for name in ("alice_plans.txt", "carol_plans.txt")], path
+        assert "_plans" not in json.dumps(engine.prompts[before:]), path  # no model call about either (edit: "Hello")
+    reply = client.post("/v1/chat/completions", headers=bob,
+                        json={"model": "assistant", "messages": [{"role": "user", "content": "read alice_plans.txt"}]})
+    assert reply.json()["choices"][0]["message"]["content"].startswith(
+        "No document 'alice_plans.txt'. Documents: bob_notes.txt. Upload it ")
     # alice's own turns find, read and cite it, through every path
     for path in PATHS:
         before = len(engine.prompts)

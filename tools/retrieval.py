@@ -41,9 +41,18 @@ MAX_PASSAGE_CHARS = 1200  # of one chunk shown to the model
 MAX_READ_CHARS = 6000  # of all pages one read_document call returns (the rest is listed as cut)
 DOCS_CHECK_TTL_S = 2.0  # how long "are there documents?" is remembered (both tools ask every turn)
 DOCUMENT_WORDS = re.compile(r"\b(documents?|files?|pdfs?|manuals?|pages?|uploads?|report)\b", re.I)
-# a file name of a kind the library takes (ingest/parse.py), in the library or not ("read carol_plans.txt"):
-# the document tools answer it ("No document ...")
+# a file name of a kind the library takes (ingest/parse.py), in the library or not ("read carol_plans.txt")
 FILE_NAME = re.compile(r"\b[\w.+-]+(?:" + "|".join(re.escape(s) for s in sorted(SUPPORTED_SUFFIXES)) + r")\b", re.I)
+# a request to read one file or to ask what it says ("Read notes.pdf", "What does notes.pdf say about X?", "the
+# warranty in notes.pdf"), not code to write about one ("a Python script that reads data.csv"): `unknown_files`
+ASKS_FILE = re.compile(r"\b(?:read|open|show|summari[sz]e|summary|overview|compare|according to|cite|quote)\b"
+                       r"|\b(?:in|from|does|did|do)\s+(?:the\s+)?(?:file\s+|document\s+)?" + FILE_NAME.pattern
+                       + "|" + FILE_NAME.pattern + r"\s+(?:says?|said|mentions?|covers?|lists?|contains?)\b", re.I)
+CODE_WORDS = re.compile(r"\b(?:script|code|program|function|python|pandas|snippet|regex|bash|shell|command|parse|"
+                        r"parser|class|module|import)\b", re.I)
+URL = re.compile(r"\b(?:https?://|www\.)\S+", re.I)
+IMAGE_NOTE = re.compile(r"^\[image \d+ \(.*$", re.M)  # an attached picture's description (store.py `as_chat`)
+LISTED_DOCUMENTS = 12  # names a "No document ..." reply lists before "and N more"
 # a request about whole files: only with a document word or a file name ("deletes a whole structure" is not)
 # ("summary" only as "a summary of ...": "what are the summary and log files called" is a lookup)
 SUMMARY = re.compile(r"\b(summari[sz]e|summary of|compare|comparison|overview)\b", re.I)
@@ -269,9 +278,27 @@ def read_pages(handle: RetrieverHandle, document: str, pages: list[int] | None =
         return list(handle.get().read(document, pages or None))
     except Exception as e:  # DocumentNotFound and friends: the model named something that is not there
         if type(e).__name__ in ("DocumentNotFound", "KeyError", "FileNotFoundError"):
-            names = ", ".join(doc_name(d) for d in handle.get().documents()) or "none"
-            raise ToolInputError(f"No document {document!r}. Documents: {names}.") from e
+            raise ToolInputError(no_document([document], [doc_name(d) for d in handle.get().documents()])) from e
         raise
+
+
+def no_document(missing: Sequence[str], documents: Sequence[str]) -> str:
+    """The one line that says a named file is not among the documents, and which ones there are."""
+    names = ", ".join(documents[:LISTED_DOCUMENTS]) or "none"
+    if len(documents) > LISTED_DOCUMENTS:
+        names += f" and {len(documents) - LISTED_DOCUMENTS} more"
+    return f"No document {', '.join(repr(m) for m in missing)}. Documents: {names}."
+
+
+def unknown_files(question: str, documents: Sequence[str]) -> list[str]:
+    """The files a question asks to read or asks about (`ASKS_FILE`) that none of `documents` is: "Read
+    notes.pdf" when there is no notes.pdf. None for a request to write code about a file, a file name inside
+    a web address, or an attached picture's name."""
+    text = URL.sub(" ", IMAGE_NOTE.sub(" ", question))
+    if CODE_WORDS.search(text) or not ASKS_FILE.search(text):
+        return []
+    have = {d.lower() for d in documents}
+    return list(dict.fromkeys(m for m in FILE_NAME.findall(text) if m.lower() not in have))
 
 
 def render_within(ledger: SourceLedger, pages: Sequence[Any], max_chars: int) -> tuple[list[Passage], list[str], list[Any]]:
@@ -379,6 +406,7 @@ class Prefetched:
     texts: list[str] = field(default_factory=list)  # each passage's own text (no header): what the safety
                                                     # guard screens, so scores cached at ingest are found
     about_documents: bool = True  # False: the question is not about the documents ("nothing relevant")
+    unknown: str = ""  # the question asks about files that are not among the documents: the whole answer
 
 
 def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
@@ -482,15 +510,23 @@ class DocumentPrefetch:
     (`DOCUMENT_TOOLS`; the code interpreter stays): with all three tools in its prompt the packaged 0.5B model
     answered "Write a long story about a lighthouse keeper." and "Write a scary story set in an abandoned train
     station." with "I'm sorry, but I can't assist with that.", and with python alone, the two document tools
-    alone or no tools it wrote both stories (2026-11-30); a general turn's prompt is shorter by their two specs too. Sharing a content word is
-    no sign: with the nine eval documents in the library, 83 of 100 general questions ("What is 17 times 23?",
-    "Write a haiku about autumn") shared one ("times", "write") with some chunk, got passages, and grounding
-    then withdrew "391" as a fact no passage held. A question is about the documents when it names them (a
-    document word, a file name, in the library or not, a word only one file's name has, a section the library
-    holds), when its best dense cosine to any chunk reaches `min_relevance`, or when a passage found for it
-    holds one of its specific terms (`specific_terms`: "OpenSSL", "PRAGMA", "'New in this release'"). A
-    follow-up is judged with the two questions before it. At 0.4, 9 of the 100 general questions get passages
-    and all 215 eval questions still do (eval/general/gate.py)."""
+    alone or no tools it wrote both stories (2026-11-30); a general turn's prompt is shorter by their two specs
+    too. Sharing a content word is no sign: with the nine eval documents in the library, 83 of 100 general
+    questions ("What is 17 times 23?", "Write a haiku about autumn") shared one ("times", "write") with some chunk,
+    got passages, and grounding then withdrew "391" as a fact no passage held. A question is about the documents
+    when it names them (a document word, a file name the library holds, a word only one file's name has, a
+    section the library holds), when its best dense cosine to any chunk reaches `min_relevance`, or when a
+    passage found for it holds one of its specific terms (`specific_terms`: "OpenSSL", "PRAGMA", "'New in this
+    release'"). A follow-up is judged with the two questions before it. At 0.4, 9 of the 100 general questions
+    get passages and all 215 eval questions still do (eval/general/gate.py).
+
+    A question that asks to read a file, or what a file says, when no document of the turn is that file
+    (`unknown_files`: "Read notes.pdf") is answered with that and the documents there are, before any search and
+    without the model: given the search's passages from other files, the 0.5B model answered "Read notes.pdf"
+    with "The documents I searched do not say", "Summarise notes.pdf" (which read the first two files) with "ii",
+    and "What does notes.pdf say about compression levels?" from the zstd README (2026-12-01). A file name alone
+    no longer makes a question about the documents: "Write a Python script that reads data.csv" had been searched,
+    offered the document tools, and answered "The documents do not say" (2026-12-01)."""
 
     def __init__(self, handle: RetrieverHandle, *, k: int = 4, max_read_chars: int = 8000,
                  lists: Callable[[str, str, str], Sequence[str]] | None = None, min_relevance: float = 0.4) -> None:
@@ -509,6 +545,13 @@ class DocumentPrefetch:
         records = retriever.documents()  # read once per question
         documents = [doc_name(d) for d in records]
         named = [d for d in documents if d.lower() in question.lower()]
+        missing = unknown_files(question, documents)
+        if missing:  # no search: another file's passages are no answer about this one (nor "do not say")
+            line = no_document(missing, documents)
+            return Prefetched("read_document", {"documents": missing}, [], line,
+                              unknown=f"{line} Upload {'it' if len(missing) == 1 else 'them'} "
+                                      f"(the web chat's file button, `assistant ingest FILE`, or POST /api/documents) "
+                                      "and ask again.")
         if SUMMARY.search(question) and (named or DOCUMENT_WORDS.search(question)):
             named = named or documents[:2]
             found = [page for d in named for page in read_pages(handle, d)]
@@ -554,7 +597,7 @@ class DocumentPrefetch:
     def _about_documents(self, retriever: Any, records: Sequence[dict], question: str, query: str,
                          history: Sequence[str], named: Sequence[str]) -> bool:
         """Whether `question` is about the documents at all (see the design note above)."""
-        if self.min_relevance <= 0 or named or DOCUMENT_WORDS.search(question) or FILE_NAME.search(question):
+        if self.min_relevance <= 0 or named or DOCUMENT_WORDS.search(question):
             return True
         section = named_section(question)  # 'New in this release' is one; "good morning" (to translate) is not
         if section and any(mentions(f"{getattr(h, 'heading', '') or ''}\n{getattr(h, 'text', '')}", section)
