@@ -55,7 +55,7 @@ from assistant.seams import InputGuard, StreamTransformer, close_if_closable
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
 from tools.base import ToolContext, ToolResult
 from tools.registry import ToolRegistry
-from tools.retrieval import DOCUMENT_TOOLS, SCOPE, is_follow_up
+from tools.retrieval import DOCUMENT_TOOLS, LISTS_DOCUMENTS, SCOPE, is_follow_up
 
 FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
 FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in plain text, using the tool results "
@@ -238,9 +238,10 @@ class AgentLoop:
         own = len(chat) if own is None else own
         ctx = ToolContext(turn.cid, turn.ledger, extra={SCOPE: turn.scope})
         history = user_questions(chat)
-        context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents)
-        if found is not None and found.unknown:  # "Read notes.pdf" with no notes.pdf: said as it is, no model call
-            yield from emitter.emit(found.unknown)
+        asks_list = isinstance(user["content"], str) and LISTS_DOCUMENTS.search(user["content"]) is not None
+        context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents or asks_list)
+        if found is not None and found.reply:  # "What documents do I have?", "Read notes.pdf" with no notes.pdf:
+            yield from emitter.emit(found.reply)  # said as it is, without the model
             turn.finish, turn.model, turn.route = "stop", "library", "library"
             return chat[:own], ids, memory
         if found is not None and not found.about_documents:  # nor the document tools (tools/retrieval.py)
@@ -414,9 +415,10 @@ class AgentLoop:
         found = self.prefetch(question, turn.ledger, history, scope=turn.scope)
         if found is None:
             return [], None
-        call_id = {"read_document": "auto_read", "read_section": "auto_section"}.get(found.tool, "auto_search")
+        call_id = {"read_document": "auto_read", "read_section": "auto_section",
+                   "list_documents": "auto_list"}.get(found.tool, "auto_search")
         yield ToolCallStarted(call_id, found.tool, found.arguments)
-        yield ToolCallFinished(call_id, found.tool, not getattr(found, "unknown", ""), found.summary)
+        yield ToolCallFinished(call_id, found.tool, getattr(found, "ok", True), found.summary)
         context = []
         texts = getattr(found, "texts", None) or [None] * len(found.passages)
         for passage, own in zip(found.passages, texts):

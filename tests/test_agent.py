@@ -294,7 +294,7 @@ def test_a_scoped_handle_shows_only_its_documents_to_every_retrieval_path():
     ledger = SourceLedger()
     found = prefetch("Summarise the document alice_secret.txt", ledger, scope=BOBS)  # named but not in scope:
     assert found.tool == "read_document" and found.arguments == {"documents": ["alice_secret.txt"]}  # as if nowhere
-    assert found.unknown.startswith("No document 'alice_secret.txt'. Documents: bob_notes.txt. Upload it ")
+    assert not found.ok and found.reply.startswith("No document 'alice_secret.txt'. Documents: bob_notes.txt. Upload it ")
     assert found.passages == [] and len(ledger) == 0
     # an empty scope is an empty library: nothing prefetched, no tool offered, the index never opened
     unopened = RetrieverHandle(lambda: pytest.fail("the index was opened for an empty scope"))

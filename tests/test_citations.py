@@ -203,6 +203,41 @@ def test_a_file_that_is_not_there_is_answered_as_missing_without_a_search_or_a_m
     assert len(engine.prompts) == 1 and "HEPA" in json.dumps(engine.prompts[0])
 
 
+def test_what_documents_do_i_have_is_answered_with_the_list(tmp_path):
+    """The 0.5B model answered "What documents do I have?" with "The documents I searched do not say"; the
+    library's list is known, so it is said without the model."""
+    orch, engine = make_orchestrator(tmp_path, "It covers 7 years [1].", retriever=FakeRetriever(MANUAL))
+    for question in ("What documents do I have?", "which files have I uploaded so far", "List my documents.",
+                     "Show me all the files", "What's in my library?", "How many documents do I have?"):
+        events = list(orch.run_turn(None, question))
+        (step,) = [e for e in events if isinstance(e, ToolCallFinished)]
+        assert (step.name, step.ok, step.summary) == ("list_documents", True, "1 document"), question
+        assert events[-1].text == ('You have 1 document: zephyr_manual.pdf. Ask about them, or name one '
+                                   '("Summarise zephyr_manual.pdf").'), question
+    assert engine.prompts == []
+    orch, engine = make_orchestrator(tmp_path / "empty", "Never said.", retriever=FakeRetriever({}))
+    assert list(orch.run_turn(None, "What documents do I have?"))[-1].text.startswith(
+        "You have no documents yet. Upload one (the web chat's file button, ")
+    assert engine.prompts == []
+
+
+def test_questions_about_files_in_the_documents_are_not_a_request_for_the_list():
+    from tools.retrieval import LISTS_DOCUMENTS
+
+    for question in ("Which files does update-mime-database write?", "What files are there in the zstd README?",
+                     "Show the documents that mention HEPA", "What documents does DejaGnu need to run a test?"):
+        assert not LISTS_DOCUMENTS.search(question), question
+
+
+def test_the_list_names_pages_and_stops_at_a_dozen():
+    from tools.retrieval import listing
+
+    records = [{"file_name": f"r{i}.pdf", "num_pages": i} for i in range(1, 15)]
+    text = listing(records)
+    assert text.startswith("You have 14 documents: r1.pdf (1 page), r2.pdf (2 pages), ")
+    assert "r12.pdf (12 pages), and 2 more. " in text and "r13" not in text
+
+
 def test_which_file_names_a_question_asks_about():
     from tools.retrieval import unknown_files
 

@@ -53,6 +53,15 @@ CODE_WORDS = re.compile(r"\b(?:script|code|program|function|python|pandas|snippe
 URL = re.compile(r"\b(?:https?://|www\.)\S+", re.I)
 IMAGE_NOTE = re.compile(r"^\[image \d+ \(.*$", re.M)  # an attached picture's description (store.py `as_chat`)
 LISTED_DOCUMENTS = 12  # names a "No document ..." reply lists before "and N more"
+# "What documents do I have?", "List my files", "What's in my library?" (the whole question: not "Which files
+# does update-mime-database write?" nor "What files are there in the zstd README?")
+LISTS_DOCUMENTS = re.compile(
+    r"^\s*(?:(?:what|which)\s+(?:documents|files|pdfs|manuals|uploads)\s+(?:do\s+I\s+have|have\s+I\s+(?:uploaded|added)"
+    r"|did\s+I\s+(?:upload|add)|are\s+there|are\s+(?:uploaded|available)|can\s+you\s+(?:see|read|search|access))"
+    r"|(?:please\s+)?(?:list|show)(?:\s+me)?(?:\s+(?:all|my|the))*\s+(?:documents|files|uploads|library)"
+    r"|what(?:'s|\s+is)\s+in\s+my\s+library|how\s+many\s+(?:documents|files)\s+(?:do\s+I\s+have|have\s+I\s+uploaded))"
+    r"(?:\s+(?:in\s+(?:my|the)\s+library|so\s+far|right\s+now|now|here|uploaded|available))*\s*[?.!]*\s*$", re.I)
+UPLOAD_HOW = "the web chat's file button, `assistant ingest FILE`, or POST /api/documents"
 # a request about whole files: only with a document word or a file name ("deletes a whole structure" is not)
 # ("summary" only as "a summary of ...": "what are the summary and log files called" is a lookup)
 SUMMARY = re.compile(r"\b(summari[sz]e|summary of|compare|comparison|overview)\b", re.I)
@@ -290,6 +299,17 @@ def no_document(missing: Sequence[str], documents: Sequence[str]) -> str:
     return f"No document {', '.join(repr(m) for m in missing)}. Documents: {names}."
 
 
+def listing(records: Sequence[dict]) -> str:
+    """The answer to "What documents do I have?": each document with its pages, the first LISTED_DOCUMENTS."""
+    shown = []
+    for record in records[:LISTED_DOCUMENTS]:
+        pages = record.get("num_pages") if isinstance(record, dict) else None
+        shown.append(f"{doc_name(record)} ({pages} page{'' if pages == 1 else 's'})" if pages else doc_name(record))
+    more = f", and {len(records) - LISTED_DOCUMENTS} more" if len(records) > LISTED_DOCUMENTS else ""
+    return (f"You have {len(records)} document{'' if len(records) == 1 else 's'}: {', '.join(shown)}{more}. "
+            f"Ask about them, or name one (\"Summarise {doc_name(records[0])}\").")
+
+
 def unknown_files(question: str, documents: Sequence[str]) -> list[str]:
     """The files a question asks to read or asks about (`ASKS_FILE`) that none of `documents` is: "Read
     notes.pdf" when there is no notes.pdf. None for a request to write code about a file, a file name inside
@@ -406,7 +426,8 @@ class Prefetched:
     texts: list[str] = field(default_factory=list)  # each passage's own text (no header): what the safety
                                                     # guard screens, so scores cached at ingest are found
     about_documents: bool = True  # False: the question is not about the documents ("nothing relevant")
-    unknown: str = ""  # the question asks about files that are not among the documents: the whole answer
+    reply: str = ""  # the whole answer, said without the model: the documents listed, or a named file missing
+    ok: bool = True  # False: the question named a file that is not there
 
 
 def retrieval_query(question: str, history: Sequence[str] = ()) -> str:
@@ -540,6 +561,9 @@ class DocumentPrefetch:
                  scope: Scope = None) -> Prefetched | None:
         handle = self.handle.scoped(scope)  # every path below sees only the turn's documents
         if not handle.has_documents():
+            if LISTS_DOCUMENTS.search(question):
+                return Prefetched("list_documents", {}, [], "0 documents",
+                                  reply=f"You have no documents yet. Upload one ({UPLOAD_HOW}) and ask about it.")
             return None
         retriever = handle.get()
         records = retriever.documents()  # read once per question
@@ -548,10 +572,11 @@ class DocumentPrefetch:
         missing = unknown_files(question, documents)
         if missing:  # no search: another file's passages are no answer about this one (nor "do not say")
             line = no_document(missing, documents)
-            return Prefetched("read_document", {"documents": missing}, [], line,
-                              unknown=f"{line} Upload {'it' if len(missing) == 1 else 'them'} "
-                                      f"(the web chat's file button, `assistant ingest FILE`, or POST /api/documents) "
-                                      "and ask again.")
+            return Prefetched("read_document", {"documents": missing}, [], line, ok=False,
+                              reply=f"{line} Upload {'it' if len(missing) == 1 else 'them'} ({UPLOAD_HOW}) and ask again.")
+        if LISTS_DOCUMENTS.search(question):  # asked before the search tool is offered: agent_loop.py
+            return Prefetched("list_documents", {}, [], f"{len(records)} document{'' if len(records) == 1 else 's'}",
+                              reply=listing(records))
         if SUMMARY.search(question) and (named or DOCUMENT_WORDS.search(question)):
             named = named or documents[:2]
             found = [page for d in named for page in read_pages(handle, d)]
