@@ -123,6 +123,9 @@ class Usage(TurnEvent):
     cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
     num_steps: int = 1  # engine calls this turn (tool steps + final answer)
     breakdown: dict[str, int] = field(default_factory=dict)  # prompt tokens per part (see context.py)
+    # every call's prompt tokens together: what the turn consumed (prompt_tokens is the last call's, the
+    # context the answer was written in; cached_tokens counts every call's too)
+    total_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -383,7 +383,7 @@ class Orchestrator:
             meta["memory"] = turn.memory
         self.store.update_message(answer.id, content=final, status="complete", meta=meta)
         yield Usage(turn.prompt_tokens, turn.completion_tokens, turn.context_window, turn.dropped, turn.cached_tokens,
-                    turn.num_calls, turn.breakdown)
+                    turn.num_calls, turn.breakdown, turn.all_prompt_tokens)
         yield Done(cid, answer.id, final, turn.finish)
 
     def _not_in_documents(self, question: Any, answer: str, turn: TurnState) -> list[str]:

@@ -38,6 +38,8 @@ def test_tool_call_result_then_final_answer(tmp_path):
                                      "artifacts": []}]
     usage = next(e for e in events if isinstance(e, Usage))
     assert usage.num_steps == 2 and usage.breakdown["total"] == usage.prompt_tokens
+    first = orch.router.small.count_tokens(engine.prompts[0])
+    assert usage.total_prompt_tokens == first + usage.prompt_tokens > usage.prompt_tokens  # both calls' prompts
 
 
 def test_fenced_json_call_as_the_small_model_writes_it(tmp_path):

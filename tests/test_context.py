@@ -110,3 +110,14 @@ def test_usage_event_reports_the_breakdown(tmp_path):
     usage = next(e for e in events if isinstance(e, Usage))
     assert usage.breakdown["retrieved"] > 0 and usage.breakdown["reserved_answer"] == orch.config.engine.max_new_tokens
     assert usage.to_dict()["breakdown"]["total"] == usage.prompt_tokens
+
+
+def test_the_assistant_model_bills_every_calls_prompt():
+    """A turn with a tool step sends two prompts; /v1's "assistant" model bills both (it billed the last
+    one only, and its cached tokens, counted over both calls, could exceed its prompt tokens)."""
+    from assistant.server.assistant_model import TurnTally
+
+    tally = TurnTally(None)
+    tally.see(Usage(prompt_tokens=260, completion_tokens=40, context_window=4096, cached_tokens=330, num_steps=2,
+                    total_prompt_tokens=480))
+    assert (tally.prompt, tally.cached, tally.completion) == (480, 330, 40)

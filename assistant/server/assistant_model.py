@@ -44,7 +44,9 @@ class TurnTally:
         from assistant.events import Done, SafetyVerdict, Usage
 
         if isinstance(event, Usage):
-            self.prompt, self.cached, self.completion = event.prompt_tokens, event.cached_tokens, event.completion_tokens
+            # billed as consumed: every call's prompt (a tool step's too), as cached and completion tokens are
+            self.prompt = event.total_prompt_tokens or event.prompt_tokens
+            self.cached, self.completion = event.cached_tokens, event.completion_tokens
             if self.metrics is not None and event.context_window:
                 self.metrics.context_use.observe(min(1.0, event.prompt_tokens / event.context_window))
         elif isinstance(event, SafetyVerdict):
