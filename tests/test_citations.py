@@ -212,7 +212,7 @@ def test_what_documents_do_i_have_is_answered_with_the_list(tmp_path):
         events = list(orch.run_turn(None, question))
         (step,) = [e for e in events if isinstance(e, ToolCallFinished)]
         assert (step.name, step.ok, step.summary) == ("list_documents", True, "1 document"), question
-        assert events[-1].text == ('You have 1 document: zephyr_manual.pdf. Ask about them, or name one '
+        assert events[-1].text == ('You have 1 document: zephyr_manual.pdf. Ask about it '
                                    '("Summarise zephyr_manual.pdf").'), question
     assert engine.prompts == []
     orch, engine = make_orchestrator(tmp_path / "empty", "Never said.", retriever=FakeRetriever({}))
@@ -235,7 +235,8 @@ def test_the_list_names_pages_and_stops_at_a_dozen():
     records = [{"file_name": f"r{i}.pdf", "num_pages": i} for i in range(1, 15)]
     text = listing(records)
     assert text.startswith("You have 14 documents: r1.pdf (1 page), r2.pdf (2 pages), ")
-    assert "r12.pdf (12 pages), and 2 more. " in text and "r13" not in text
+    assert "r12.pdf (12 pages), and 2 more. Ask about them, or name one (\"Summarise r1.pdf\")." in text
+    assert "r13" not in text
 
 
 def test_which_file_names_a_question_asks_about():

@@ -307,7 +307,8 @@ def listing(records: Sequence[dict]) -> str:
         shown.append(f"{doc_name(record)} ({pages} page{'' if pages == 1 else 's'})" if pages else doc_name(record))
     more = f", and {len(records) - LISTED_DOCUMENTS} more" if len(records) > LISTED_DOCUMENTS else ""
     return (f"You have {len(records)} document{'' if len(records) == 1 else 's'}: {', '.join(shown)}{more}. "
-            f"Ask about them, or name one (\"Summarise {doc_name(records[0])}\").")
+            + (f"Ask about it (\"Summarise {doc_name(records[0])}\")." if len(records) == 1 else
+             f"Ask about them, or name one (\"Summarise {doc_name(records[0])}\")."))
 
 
 def unknown_files(question: str, documents: Sequence[str]) -> list[str]:
