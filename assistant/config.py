@@ -41,12 +41,9 @@ from assistant.errors import ConfigError
 AUTO = "auto"  # engine.large_model: the packaged large model if it is prepared, else none
 AUTO_LARGE_MODEL = "large"
 
-# The last sentence: told "My name is Dana and I live in Lisbon", then "Where do I live?", the 0.5B model answered
-# "I live in Lisbon" in 15 of 20 such two-turn talks (it spoke as the user), 4 of 20 with it (2026-12-01).
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful, honest assistant running fully offline on the user's own machine. "
-    "Answer concisely and correctly. If you do not know, say so. "
-    'You speak to the user as "you"; you are the assistant, not the user.'
+    "Answer concisely and correctly. If you do not know, say so."
 )
 
 
