@@ -155,6 +155,8 @@ def verify_citations(answer: str, ledger: SourceLedger, *, attribute: bool = Tru
     def assign(prose: str) -> str:
         out, last = [], 0
         for run in MARKER_RUN.finditer(prose):
+            if not words and len(marker_numbers(run.group(0))) > 1:
+                continue  # no passages this turn: "[1, 2, 5, 9]" is data (a sorted list), not made-up citations
             if last and not content_words(MARKER_RUN.sub(" ", prose[last:run.start()])):
                 # a second run right after a cited sentence ("... is 2 [1]. [2]") closes no claim of its
                 # own: the model repeats or guesses a number; it is dropped, not re-attributed

@@ -416,3 +416,12 @@ def test_a_follow_up_gets_one_passage_more():
     assert len(alone.passages) == 3 and len(follow.passages) == 4
     fresh = prefetch("How long is the warranty card valid?", SourceLedger(), ["When do I replace the filter?"])
     assert len(fresh.passages) == 3  # history alone does not make a question a follow-up
+
+
+def test_with_no_passages_a_bracketed_list_of_numbers_is_data_and_a_lone_marker_is_still_dropped(tmp_path):
+    """"Sort these numbers: 5, 2, 9, 1." was answered "The sorted numbers are [1, 2, 5, 9]." (from the python
+    tool), and the stored answer lost the list: it was taken for four made-up markers."""
+    check = verify_citations("The sorted numbers are [1, 2, 5, 9]. Paris is big [1].", SourceLedger())
+    assert check.text == "The sorted numbers are [1, 2, 5, 9]. Paris is big." and list(check.dropped_markers) == [1]
+    orch, _ = make_orchestrator(tmp_path, "The sorted numbers are [1, 2, 5, 9].", retriever=FakeRetriever(MANUAL))
+    assert list(orch.run_turn(None, "Sort these numbers: 5, 2, 9, 1."))[-1].text == "The sorted numbers are [1, 2, 5, 9]."
