@@ -5,6 +5,7 @@ Formats accepted (all seen from Qwen2.5-Coder-0.5B with tools in its chat templa
   * Qwen's native `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one or more);
   * the same JSON in a ```json fence (what the 0.5B model usually writes);
   * a reply that is nothing but that JSON object.
+A reply that writes out the template's `<tools>` list instead (`TOOLS_ECHO`) is no call, and no answer either.
 JSON is parsed leniently (extra closing braces, a missing one, `"a" + "b"` string concatenation),
 because a repairable call is cheaper than a repair round trip; anything still unreadable is a
 `MalformedCall` whose `error` is fed back to the model as the observation of one repair attempt.
@@ -23,7 +24,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-OPENERS = ("<tool_call>", "```json", "```JSON", "```\n{")
+OPENERS = ("<tool_call>", "```json", "```JSON", "```\n{", "<tools>")
+# the chat template's list of tools, written back as the reply: the 1.5B model's answer to "Give me a recipe for
+# pancakes." with the tools offered (1 of 100 general questions, 2026-12-01); asked again without tools
+TOOLS_ECHO = re.compile(r"<tools>.*?(?:</tools>|$)", re.S)
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 FENCED_JSON = re.compile(r"```(?:json|JSON)?\s*\n?(\{.*?)(?:```|$)", re.S)
 NEAR_NAME = 0.75  # difflib ratio at which an unknown tool name is taken for a misspelt real one
@@ -115,6 +119,9 @@ def parse_reply(text: str, tool_names: Iterable[str]) -> ParsedReply:
         blocks = [(m.start(), m.end(), m.group(1)) for m in FENCED_JSON.finditer(text) if _looks_like_call(m.group(1))]
     if not blocks and text.strip().startswith("{") and _looks_like_call(text):
         blocks = [(0, len(text), text)]
+    if not blocks and (echo := TOOLS_ECHO.search(text)):
+        return ParsedReply(TOOLS_ECHO.sub("", text).strip(), (), (MalformedCall(
+            echo.group(0), "That is the list of tools, not an answer; answer in plain text.", not_a_call=True),))
     calls, malformed = [], []
     for _, _, raw in blocks:
         result = parse_call(raw, names)

@@ -75,6 +75,16 @@ def test_an_answer_written_as_a_call_of_no_tool_is_asked_again_without_tools(tmp
     assert events[-1].text == "1. Eiffel Tower\n2. Louvre"
 
 
+def test_a_reply_that_writes_out_the_tool_list_is_never_shown_and_is_asked_again_without_tools(tmp_path):
+    """Seen with the 1.5B: "Give me a recipe for pancakes." came back as the template's <tools> block."""
+    echo = '<tools>\n{"type": "function", "function": {"name": "add", "description": "Add two numbers."}}\n</tools>'
+    orch, engine = make_orchestrator(tmp_path, echo, "Mix flour, milk and eggs.", tools=[AddTool()])
+    events = list(orch.run_turn(None, "Give me a recipe for pancakes."))
+    assert "<tools>" not in _text(events) and "function" not in _text(events)
+    assert not any(isinstance(e, ToolCallStarted) for e in events)
+    assert engine.tools_seen[1] is None and events[-1].text == "Mix flour, milk and eggs."
+
+
 def test_second_malformed_call_withdraws_tools_and_still_answers(tmp_path):
     bad = '<tool_call>{"name": "adds", "arguments": {}}</tool_call>'  # a misspelt tool: repaired once
     orch, engine = make_orchestrator(tmp_path, bad, bad, "I cannot use tools; 2+3 is 5.", tools=[AddTool()])
