@@ -50,14 +50,19 @@ from assistant.counting import (LIST_ITEMS, MAX_ITEMS, MIN_LISTED, count_answer,
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.grounding import restates, says_anything
-from assistant.routing import Router
+from assistant.routing import WRITING, Router
 from assistant.seams import InputGuard, StreamTransformer, close_if_closable
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
 from tools.base import ToolContext, ToolResult
 from tools.registry import ToolRegistry
-from tools.retrieval import DOCUMENT_TOOLS, LISTS_DOCUMENTS, SCOPE, is_follow_up
+from tools.retrieval import DOCUMENT_TOOLS, LISTS_DOCUMENTS, SCOPE, WRITE_CODE, is_follow_up
 
 FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
+# A request for code to read (tools/retrieval.py `WRITE_CODE`) is not offered the code interpreter (RUNS_CODE):
+# offered it, the 1.5B model ran "a Python function that checks whether a number is prime" on 29 and answered
+# "The number 29 is prime.", without the function; of 12 such requests it answered 6 with code, and 12 when the
+# interpreter was not offered (2026-12-01).
+RUNS_CODE = frozenset({"python"})
 FINAL_ANSWER = {"role": "system", "content": "Now answer the user's question in plain text, using the tool results "
                 "above. Do not write any tool call."}
 LOOPING = ("The answer was stopped because the model began repeating itself. Asking for something shorter or "
@@ -246,6 +251,8 @@ class AgentLoop:
             return chat[:own], ids, memory
         if found is not None and not found.about_documents:  # nor the document tools (tools/retrieval.py)
             tools = [t for t in tools if t.name not in DOCUMENT_TOOLS]
+        if isinstance(user["content"], str) and WRITE_CODE.search(user["content"]):  # code to read, not to run
+            tools = [t for t in tools if t.name not in RUNS_CODE]
         by_name = {t.name: t for t in tools}
         if found is not None and found.count and context:
             if (yield from self._count(turn, user, found, emitter, context, params, cancel)):
@@ -255,6 +262,7 @@ class AgentLoop:
             prompted = {**user, "content": FOLLOWS.format(question=user["content"], earlier=history[-1])}
         # a document answer stops after two sentences; a summary or comparison of whole files does not
         limit = self.options.answer_sentences if context and getattr(found, "tool", "") != "read_document" else 0
+        writing = isinstance(user["content"], str) and WRITING.search(user["content"]) is not None
         steps: list[Message] = []
         repairs_left, offer_tools = self.options.max_repairs, bool(tools)
         seen_calls: set[str] = set()
@@ -274,7 +282,7 @@ class AgentLoop:
                     turn.memory = {"summary": memory, "through_id": ids[stored - 1]}
                 chat, ids, own = chat[plan.num_summarised:], ids[stored:], own - stored
             route = self.router.choose(prompt_tokens=plan.prompt_tokens, has_documents=bool(turn.ledger),
-                                       after_tool_step=bool(steps), prefer=turn.prefer)
+                                       after_tool_step=bool(steps), prefer=turn.prefer, writing=writing)
             notices: list[str] = []
             tap, turn.tap = turn.tap, None  # the first call holds the user's message as the turn received it
             engine, stream = self.router.generate(route, plan.messages, params,

@@ -32,7 +32,7 @@ from assistant.events import ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.keys import Keys, Owners
 from assistant.modalities import Modalities
 from assistant.orchestrator import Orchestrator
-from assistant.routing import LARGE, SMALL, Router
+from assistant.routing import LARGE, SMALL, Router, RoutingPolicy
 from assistant.seams import Attachment, InputGuard, PreStage, StreamTransformer, UserInput
 from assistant.store import Conversation, Store, StoredMessage
 from assistant.usage import UsageLedger
@@ -346,7 +346,8 @@ def _router(config: AssistantConfig, engine: Engine) -> Router:
     from assistant.engine import create_engine
 
     large_config = replace(config, engine=replace(config.engine, model=large_model))
-    return Router(engine, lambda: create_engine(large_config))
+    return Router(engine, lambda: create_engine(large_config),
+                  RoutingPolicy(large_for_questions=config.engine.large_for_questions))
 
 
 def _retriever_handle(config: AssistantConfig, retriever: Any) -> Any:

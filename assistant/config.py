@@ -66,6 +66,9 @@ class EngineConfig:
     # second model for document, tool-heavy and long turns (assistant/routing.py): "auto" = the packaged 1.5B
     # when it is prepared (`make run` prepares it), a model name or path, or "" = every turn on engine.model
     large_model: str = "auto"
+    # with a large model: general questions go to it too, writing requests ("Write a poem…") stay on engine.model
+    # (assistant/routing.py has the measurements); false = only document, tool-heavy and long turns go to it
+    large_for_questions: bool = True
     device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16"
     num_threads: int = 0  # CPU threads of torch and the native kernels; 0 = torch one per two vCPUs, kernels one per core (engine/loading.py)

@@ -85,6 +85,23 @@ def test_a_reply_that_writes_out_the_tool_list_is_never_shown_and_is_asked_again
     assert engine.tools_seen[1] is None and events[-1].text == "Mix flour, milk and eggs."
 
 
+def test_a_request_for_code_to_read_is_not_offered_the_code_interpreter(tmp_path):
+    """Offered the interpreter, the 1.5B ran "a Python function that checks whether a number is prime" on 29
+    and answered "The number 29 is prime.", without the function (12 code requests: 6 answered with code
+    offered it, 12 not)."""
+    class Python(Tool):
+        name, description = "python", "Run code."
+        inputs = {"code": {"type": "string", "description": "the code"}}
+
+        def forward(self, code):
+            return "True"
+
+    orch, engine = make_orchestrator(tmp_path, "def is_prime(n): ...", "It is 5.", tools=[Python(), AddTool()])
+    list(orch.run_turn(None, "Write a Python function that checks whether a number is prime."))
+    list(orch.run_turn(None, "What is 2 + 3?"))
+    assert [[t["function"]["name"] for t in seen] for seen in engine.tools_seen] == [["add"], ["python", "add"]]
+
+
 def test_second_malformed_call_withdraws_tools_and_still_answers(tmp_path):
     bad = '<tool_call>{"name": "adds", "arguments": {}}</tool_call>'  # a misspelt tool: repaired once
     orch, engine = make_orchestrator(tmp_path, bad, bad, "I cannot use tools; 2+3 is 5.", tools=[AddTool()])

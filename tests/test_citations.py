@@ -180,8 +180,8 @@ def test_a_question_off_the_documents_is_not_offered_the_document_tools(tmp_path
     assert names(engine.tools_seen[1]) == {"search_documents", "read_document", "python"}
     list(orch.run_turn(None, "Summarise zephyr_manual.pdf"))  # a file the library holds: every tool
     assert names(engine.tools_seen[2]) == {"search_documents", "read_document", "python"}
-    list(orch.run_turn(None, "Write a Python script that reads data.csv"))  # a file name alone is no sign
-    assert names(engine.tools_seen[3]) == {"python"}
+    list(orch.run_turn(None, "Write a Python script that reads data.csv"))  # a file name alone is no sign (and
+    assert names(engine.tools_seen[3]) == set()  # code to read is not run: agent_loop.py WRITE_CODE)
 
 
 def test_a_file_that_is_not_there_is_answered_as_missing_without_a_search_or_a_model_call(tmp_path):
@@ -386,6 +386,8 @@ def test_a_question_not_about_the_documents_gets_no_passages():
     assert "Zephyr" in prefetch("How often do I clean the Zephyr sensor?", SourceLedger()).passages[0]
     assert prefetch("What is listed under 'New in this release'?", SourceLedger()).passages
     assert prefetch("Which file holds the sensor notes?", SourceLedger()).passages  # names documents
+    # ... but not when it asks for code: these "files" are the user's own
+    assert not prefetch("Write a bash one-liner that counts the lines in all .txt files.", SourceLedger()).passages
     # a follow-up is judged with the questions before it
     assert prefetch("And how long does it last?", SourceLedger(), ["What is the warranty period?"]).passages
     assert prefetch("And 18 times 23?", SourceLedger(), ["What is 17 times 23?"]).passages == []

@@ -50,6 +50,12 @@ ASKS_FILE = re.compile(r"\b(?:read|open|show|summari[sz]e|summary|overview|compa
                        + "|" + FILE_NAME.pattern + r"\s+(?:says?|said|mentions?|covers?|lists?|contains?)\b", re.I)
 CODE_WORDS = re.compile(r"\b(?:script|code|program|function|python|pandas|snippet|regex|bash|shell|command|parse|"
                         r"parser|class|module|import)\b", re.I)
+# a request for code to read ("Write a Python function that…", "Implement binary search in Python"): the agent
+# loop does not offer it the code interpreter (agent_loop.py), and "files" in it does not make it about the documents
+WRITE_CODE = re.compile(
+    r"^\s*(?:please\s+)?(?:(?:can|could|would)\s+you\s+(?:please\s+)?)?(?:write|create|give\s+me|show\s+me|implement)"
+    r"\s+(?:me\s+)?(?:a|an|the|some)?\s*(?:[\w+#.-]+\s+){0,3}?(?:functions?|scripts?|programs?|class|methods?|query|"
+    r"regex|regular\s+expression|snippet|code|one-liner|decorator)\b|^\s*(?:please\s+)?implement\b", re.I)
 URL = re.compile(r"\b(?:https?://|www\.)\S+", re.I)
 IMAGE_NOTE = re.compile(r"^\[image \d+ \(.*$", re.M)  # an attached picture's description (store.py `as_chat`)
 LISTED_DOCUMENTS = 12  # names a "No document ..." reply lists before "and N more"
@@ -536,7 +542,8 @@ class DocumentPrefetch:
     too. Sharing a content word is no sign: with the nine eval documents in the library, 83 of 100 general
     questions ("What is 17 times 23?", "Write a haiku about autumn") shared one ("times", "write") with some chunk,
     got passages, and grounding then withdrew "391" as a fact no passage held. A question is about the documents
-    when it names them (a document word, a file name the library holds, a word only one file's name has, a
+    when it names them (a document word, unless it asks for code: "a bash one-liner that counts the lines in
+    all .txt files" had been answered "The documents do not say"; a file name the library holds, a word only one file's name has, a
     section the library holds), when its best dense cosine to any chunk reaches `min_relevance`, or when a
     passage found for it holds one of its specific terms (`specific_terms`: "OpenSSL", "PRAGMA", "'New in this
     release'"). A follow-up is judged with the two questions before it. At 0.4, 9 of the 100 general questions
@@ -623,7 +630,7 @@ class DocumentPrefetch:
     def _about_documents(self, retriever: Any, records: Sequence[dict], question: str, query: str,
                          history: Sequence[str], named: Sequence[str]) -> bool:
         """Whether `question` is about the documents at all (see the design note above)."""
-        if self.min_relevance <= 0 or named or DOCUMENT_WORDS.search(question):
+        if self.min_relevance <= 0 or named or (DOCUMENT_WORDS.search(question) and not WRITE_CODE.search(question)):
             return True
         section = named_section(question)  # 'New in this release' is one; "good morning" (to translate) is not
         if section and any(mentions(f"{getattr(h, 'heading', '') or ''}\n{getattr(h, 'text', '')}", section)
