@@ -1072,3 +1072,35 @@ def test_a_test_card_passes_after_a_test_mode_sentence_in_the_stream_and_not_els
     guard, _ = output_guard()
     out = shown(stream(guard, "Your card is saved.\n\nCard: 4242 4242 4242 4242, expiring 04/29.\n"))
     assert "4242 4242" not in out and "[redacted: card number]" in out
+
+
+def test_the_packaged_classifiers_unpickle_one_at_a_time(monkeypatch):
+    """Unpickling imports sklearn; a turn's input check (on its worker) and its output guard (on the turn's
+    thread) loading two detectors at once made one fail with "cannot import name 'LogisticRegression' from
+    partially initialized module" and ended the turn."""
+    import sys
+    import threading
+    import time
+    import types
+
+    from assistant.safety import pinned
+
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def load(path):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        with lock:
+            inside[0] -= 1
+        return path
+
+    monkeypatch.setitem(sys.modules, "joblib", types.SimpleNamespace(load=load))
+    monkeypatch.setattr(pinned, "verified", lambda pin: f"/models/{pin}")
+    threads = [threading.Thread(target=pinned.load_joblib, args=(name,)) for name in ("toxicity", "injection", "x")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert most[0] == 1

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import pickle
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from assistant.errors import ModelError
+
+# One unpickling at a time in the process. Unpickling imports sklearn's modules; two detectors loaded at once
+# on two threads (a turn's input check on its worker, the output guard on the turn's thread, both lazy) made one
+# of them fail with "cannot import name 'LogisticRegression' from partially initialized module
+# 'sklearn.linear_model._logistic'" and ended the turn with it (2026-12-01, the first turn of a process).
+_UNPICKLING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -87,12 +94,12 @@ def load_joblib(pin: PinnedFile) -> Any:
     path = verified(pin)
     import joblib
 
-    with warnings.catch_warnings():
+    with _UNPICKLING, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*unpickle estimator.*")
         return joblib.load(path)
 
 
 def load_pickle(pin: PinnedFile) -> Any:
     path = verified(pin)
-    with open(path, "rb") as f:
+    with _UNPICKLING, open(path, "rb") as f:
         return pickle.load(f)  # noqa: S301 - hash pinned just above

@@ -126,9 +126,9 @@ def _exit_on_sigterm() -> Any:
 
 
 def _preload_large(assistant: Any) -> None:
-    """The large model for document questions loads while the server starts serving (14-17 s at `make run`'s
-    start on 2 cores, beside the small model's), not on the first question that needs it; a turn that needs it
-    meanwhile waits for it."""
+    """The large model (document and general questions: assistant/routing.py) loads while the server starts
+    serving (14-17 s at `make run`'s start on 2 cores, beside the small model's), not on the first question that
+    needs it; a document turn meanwhile waits for it, a general question goes to the small model."""
     from assistant.models import known_model_names, resolve_model_name
 
     large = assistant.config.engine.large_model
@@ -138,13 +138,14 @@ def _preload_large(assistant: Any) -> None:
 
     def done(engine: Any, error: str) -> None:
         if engine is not None:
-            print(f"Large model {large} ready for document questions ({time.monotonic() - start:.0f} s).", flush=True)
+            print(f"Large model {large} ready for questions ({time.monotonic() - start:.0f} s).", flush=True)
         else:
-            print(f"The large model {large} could not be loaded ({error}); document questions use "
+            print(f"The large model {large} could not be loaded ({error}); every question uses "
                   f"{assistant.config.engine.model}.", flush=True)
 
     if assistant.models.preload_large(done):
-        print(f"Loading the large model {large} for document questions in the background...", flush=True)
+        print(f"Loading the large model {large} in the background (until it is ready, {assistant.config.engine.model} "
+              "answers general questions)...", flush=True)
 
 
 def _log_access_to(path: Path) -> None:
