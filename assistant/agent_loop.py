@@ -55,7 +55,7 @@ from assistant.seams import InputGuard, StreamTransformer, close_if_closable
 from assistant.toolcalls import ToolCallSplitter, call_message, repair_messages, result_message
 from tools.base import ToolContext, ToolResult
 from tools.registry import ToolRegistry
-from tools.retrieval import DOCUMENT_TOOLS, LISTS_DOCUMENTS, SCOPE, WRITE_CODE, is_follow_up
+from tools.retrieval import COMPUTES, DOCUMENT_TOOLS, LISTS_DOCUMENTS, SCOPE, WRITE_CODE, is_follow_up
 
 FLUSH_INTERVAL_S = 1.0  # how often a streaming answer is written to the store
 # A request for code to read (tools/retrieval.py `WRITE_CODE`) is not offered the code interpreter (RUNS_CODE):
@@ -251,7 +251,8 @@ class AgentLoop:
             return chat[:own], ids, memory
         if found is not None and not found.about_documents:  # nor the document tools (tools/retrieval.py)
             tools = [t for t in tools if t.name not in DOCUMENT_TOOLS]
-        if isinstance(user["content"], str) and WRITE_CODE.search(user["content"]):  # code to read, not to run
+        if isinstance(user["content"], str) and (WRITE_CODE.search(user["content"]) or not (context or computes(
+                user, history))):  # code to read, or (without passages) nothing to compute: no interpreter
             tools = [t for t in tools if t.name not in RUNS_CODE]
         by_name = {t.name: t for t in tools}
         if found is not None and found.count and context:
@@ -435,6 +436,14 @@ class AgentLoop:
                 yield verdict
             context.append(observed)
         return context, found
+
+
+def computes(user: Message, history: Sequence[str]) -> bool:
+    """Whether the turn may need the code interpreter (tools/retrieval.py `COMPUTES`): its question, or for a
+    follow-up ("And the 30th?") the one before it, has a number or a word of computing."""
+    question = user["content"] if isinstance(user["content"], str) else ""
+    asked = f"{history[-1]} {question}" if history and is_follow_up(question, history) else question
+    return COMPUTES.search(asked) is not None
 
 
 def _within(tool: Any, scope: frozenset[str] | None) -> bool:

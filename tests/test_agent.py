@@ -102,6 +102,26 @@ def test_a_request_for_code_to_read_is_not_offered_the_code_interpreter(tmp_path
     assert [[t["function"]["name"] for t in seen] for seen in engine.tools_seen] == [["add"], ["python", "add"]]
 
 
+def test_a_question_without_passages_or_anything_to_compute_is_not_offered_the_interpreter(tmp_path):
+    """With the python spec in its prompt the 1.5B answered "How many minutes are in a day?" with "24"."""
+    class Python(Tool):
+        name, description = "python", "Run code."
+        inputs = {"code": {"type": "string", "description": "the code"}}
+
+        def forward(self, code):
+            return "1"
+
+    orch, engine = make_orchestrator(tmp_path, "1440 minutes.", "391.", "414.", "Seven years [1].",
+                                     tools=[Python()], retriever=FakeRetriever(MANUAL))
+    list(orch.run_turn(None, "How many minutes are in a day?"))
+    cid = list(orch.run_turn(None, "What is 17 times 23?"))[-1].conversation_id
+    list(orch.run_turn(cid, "And 18 times it?"))  # a follow-up: judged with the question before it
+    list(orch.run_turn(None, "How long is the warranty?"))  # passages: its prompt keeps every tool
+    offered = ["python" in [t["function"]["name"] for t in seen or []] for seen in engine.tools_seen]
+    assert offered == [False, True, True, True]
+    assert "HEPA" not in str(engine.prompts[0]) and "7 years" in str(engine.prompts[3])  # no passages, passages
+
+
 def test_second_malformed_call_withdraws_tools_and_still_answers(tmp_path):
     bad = '<tool_call>{"name": "adds", "arguments": {}}</tool_call>'  # a misspelt tool: repaired once
     orch, engine = make_orchestrator(tmp_path, bad, bad, "I cannot use tools; 2+3 is 5.", tools=[AddTool()])

@@ -174,7 +174,7 @@ def test_a_question_off_the_documents_is_not_offered_the_document_tools(tmp_path
     orch, engine = make_orchestrator(tmp_path, "Once upon a time.", "It covers 7 years [1].", "A purifier.",
                                      "import csv", tools=[Python()], retriever=Measured(MANUAL, {"warranty": 0.72}))
     names = lambda specs: {s["function"]["name"] for s in specs or []}  # noqa: E731
-    list(orch.run_turn(None, "Write a long story about a lighthouse keeper."))
+    list(orch.run_turn(None, "Write a story about the 3 lighthouse keepers."))  # (a number: may compute)
     assert names(engine.tools_seen[0]) == {"python"}
     list(orch.run_turn(None, "How long is the warranty?"))  # close to a page: passages and every tool
     assert names(engine.tools_seen[1]) == {"search_documents", "read_document", "python"}

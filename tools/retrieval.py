@@ -56,6 +56,14 @@ WRITE_CODE = re.compile(
     r"^\s*(?:please\s+)?(?:(?:can|could|would)\s+you\s+(?:please\s+)?)?(?:write|create|give\s+me|show\s+me|implement)"
     r"\s+(?:me\s+)?(?:a|an|the|some)?\s*(?:[\w+#.-]+\s+){0,3}?(?:functions?|scripts?|programs?|class|methods?|query|"
     r"regex|regular\s+expression|snippet|code|one-liner|decorator)\b|^\s*(?:please\s+)?implement\b", re.I)
+# a question that may need the code interpreter: a number in it, or a word of computing. Any other question is
+# not offered it (agent_loop.py): with its spec in the prompt the 1.5B model answered "How many minutes are in a
+# day?" with "24", "How many planets are in our solar system?" with "3" (2026-12-01)
+COMPUTES = re.compile(
+    r"\d|\b(?:calculat\w*|comput\w*|convert\w*|factorials?|fibonacci|primes?|sort\w*|square\s+roots?|squared|cubed|"
+    r"powers?|percent\w*|average|mean|median|sum|product|multipl\w*|divid\w*|plus|minus|times|random\w*|simulat\w*|"
+    r"plot\w*|graphs?|charts?|run|execute|python|code|scripts?|csv|spreadsheet|solve|equations?|integral|derivative|"
+    r"statistics|dice|coin|date|days\s+(?:between|until|since)|how\s+long\s+ago)\b", re.I)
 URL = re.compile(r"\b(?:https?://|www\.)\S+", re.I)
 IMAGE_NOTE = re.compile(r"^\[image \d+ \(.*$", re.M)  # an attached picture's description (store.py `as_chat`)
 LISTED_DOCUMENTS = 12  # names a "No document ..." reply lists before "and N more"
