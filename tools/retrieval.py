@@ -551,10 +551,10 @@ class DocumentPrefetch:
     questions ("What is 17 times 23?", "Write a haiku about autumn") shared one ("times", "write") with some chunk,
     got passages, and grounding then withdrew "391" as a fact no passage held. A question is about the documents
     when it names them (a document word, unless it asks for code: "a bash one-liner that counts the lines in
-    all .txt files" had been answered "The documents do not say"; a file name the library holds, a word only one file's name has, a
-    section the library holds), when its best dense cosine to any chunk reaches `min_relevance`, or when a
-    passage found for it holds one of its specific terms (`specific_terms`: "OpenSSL", "PRAGMA", "'New in this
-    release'"). A follow-up is judged with the two questions before it. At 0.4, 9 of the 100 general questions
+    all .txt files" had been answered "The documents do not say"; a file name the library holds, a word only
+    one file's name has, a section the library holds), when its best dense cosine to any chunk reaches
+    `min_relevance`, or when a passage found for it holds one of its specific terms (`specific_terms`:
+    "OpenSSL", "PRAGMA", "'New in this release'"). A follow-up is judged with the two questions before it. At 0.4, 9 of the 100 general questions
     get passages and all 215 eval questions still do (eval/general/gate.py).
 
     A question that asks to read a file, or what a file says, when no document of the turn is that file
