@@ -554,8 +554,8 @@ class DocumentPrefetch:
     all .txt files" had been answered "The documents do not say"; a file name the library holds, a word only
     one file's name has, a section the library holds), when its best dense cosine to any chunk reaches
     `min_relevance`, or when a passage found for it holds one of its specific terms (`specific_terms`:
-    "OpenSSL", "PRAGMA", "'New in this release'"). A follow-up is judged with the two questions before it. At 0.4, 9 of the 100 general questions
-    get passages and all 215 eval questions still do (eval/general/gate.py).
+    "OpenSSL", "PRAGMA", "'New in this release'"). A follow-up is judged with the two questions before it. At
+    0.4, 9 of the 100 general questions get passages and all 215 eval questions still do (eval/general/gate.py).
 
     A question that asks to read a file, or what a file says, when no document of the turn is that file
     (`unknown_files`: "Read notes.pdf") is answered with that and the documents there are, before any search and
@@ -588,8 +588,8 @@ class DocumentPrefetch:
         missing = unknown_files(question, documents)
         if missing:  # no search: another file's passages are no answer about this one (nor "do not say")
             line = no_document(missing, documents)
-            return Prefetched("read_document", {"documents": missing}, [], line, ok=False,
-                              reply=f"{line} Upload {'it' if len(missing) == 1 else 'them'} ({UPLOAD_HOW}) and ask again.")
+            upload = f"Upload {'it' if len(missing) == 1 else 'them'} ({UPLOAD_HOW}) and ask again."
+            return Prefetched("read_document", {"documents": missing}, [], line, ok=False, reply=f"{line} {upload}")
         if LISTS_DOCUMENTS.search(question):  # asked before the search tool is offered: agent_loop.py
             return Prefetched("list_documents", {}, [], f"{len(records)} document{'' if len(records) == 1 else 's'}",
                               reply=listing(records))
