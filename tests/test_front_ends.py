@@ -239,3 +239,25 @@ def test_files_attached_in_a_chat_are_in_its_sandbox_folder_and_data_files_only_
     assert (folder / "api.txt").read_bytes() == b"From the API.\n"
     assert rest.delete(f"/api/conversations/{cid}", headers=auth).status_code == 200
     assert not folder.exists()
+
+
+def test_the_terminal_chat_loads_the_large_model_in_the_background_only_for_a_person(tmp_path):
+    """A person types while it loads; a pipe's answers must not depend on how far the load got."""
+    import io
+
+    from tests.agent_fakes import make_assistant
+    from ui.terminal import run_repl
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assistant, _ = make_assistant(tmp_path, "Hi.", "Hi again.")
+    calls = []
+    assistant.models.preload_large = lambda done=None: calls.append(done) or True
+    err = io.StringIO()
+    assert run_repl(assistant.config, assistant=assistant, stdin=io.StringIO("hello\n"), stdout=io.StringIO(),
+                    stderr=err) == 0
+    assert calls == [] and "large model" not in err.getvalue()
+    assert run_repl(assistant.config, assistant=assistant, stdin=Tty("hello\n"), stdout=io.StringIO(), stderr=err) == 0
+    assert len(calls) == 1 and "(loading the large model in the background)" in err.getvalue()

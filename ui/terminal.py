@@ -54,6 +54,8 @@ def run_repl(config: AssistantConfig, conversation_id: str | None = None, *, ass
             return run_repl(config, conversation_id, assistant=built, stdin=stdin, stdout=stdout, stderr=stderr,
                             audio=audio, images=images, speak_to=speak_to)
     interactive = stdin.isatty()
+    if interactive:  # a person types meanwhile (a pipe's answers do not depend on how far the load got)
+        _preload_large(assistant, stderr)
     failures, answers = 0, 0
     pending = first if (first.audio or first.images) else None
     while True:
@@ -105,6 +107,19 @@ def run_repl(config: AssistantConfig, conversation_id: str | None = None, *, ass
     if conversation_id:
         print(f"(conversation {conversation_id})", file=stderr)
     return 1 if failures else 0
+
+
+def _preload_large(assistant: Any, stderr: TextIO) -> None:
+    """The large model (document and general questions: assistant/routing.py) loads in the background, as
+    `assistant serve` does; until it is ready the small one answers general questions."""
+    models = getattr(assistant, "models", None)
+
+    def done(engine: Any, error: str) -> None:
+        if engine is None:  # (ready: nothing to say in the middle of a line being typed)
+            print(f"\n(the large model could not be loaded: {error}; the small one answers)", file=stderr, flush=True)
+
+    if models is not None and models.preload_large(done):
+        print("(loading the large model in the background)", file=stderr, flush=True)
 
 
 class _SpeechFile:
