@@ -1,6 +1,7 @@
-"""General-knowledge questions with checkable answers (facts.jsonl: a question and a regex its answer must
-match), asked through the assistant with each turn pinned to one model, to choose which model answers
-general questions (assistant/routing.py). Even lines are the dev half, odd lines the test half.
+"""General-knowledge questions with checkable answers (facts.jsonl: a question, a regex its answer must match,
+and its part), asked through the assistant with each turn pinned to one model, to choose which model answers
+general questions (assistant/routing.py). `dev` (70): the questions the routing and the code-interpreter gate
+(agent_loop.py, tools/retrieval.py `COMPUTES`) were read on; `test` (50): written after those changes, held out.
 
 Run from the repository root (the models prepared: `make models-large`):
     python eval/general/facts.py --data-dir DIR [--models small,large]
@@ -40,8 +41,8 @@ def main() -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     right = {m: {"dev": 0, "test": 0} for m in models}
     seconds = dict.fromkeys(models, 0.0)
-    for i, row in enumerate(rows):
-        half = "dev" if i % 2 == 0 else "test"
+    for row in rows:
+        half = row["part"]
         shown = []
         for model in models:
             start = time.perf_counter()
@@ -54,7 +55,8 @@ def main() -> int:
             shown.append(f"{model}: {'ok' if ok else 'NO'} {answer[:60]!r}")
         print(f"{half} {row['q'][:50]} | " + " | ".join(shown), flush=True)
     assistant.close()
-    print(json.dumps({m: {**right[m], "per_half": len(rows) // 2, "seconds": round(seconds[m], 1)} for m in models}))
+    sizes = {part: sum(row["part"] == part for row in rows) for part in ("dev", "test")}
+    print(json.dumps({m: {**right[m], "of": sizes, "seconds": round(seconds[m], 1)} for m in models}))
     return 0
 
 
