@@ -145,6 +145,11 @@ class TurnState:
         self.breakdown: dict[str, int] = {}
         self.memory: dict[str, str] | None = None
         self.documents = False  # the conversation had documents to cite this turn
+        # (part, answer) of the parts of a compound question that the prefetch judged off the documents ("…,
+        # and what is 3 times 7?"): no passage was meant to hold "21", so grounding takes their answers as their
+        # own evidence, and the checks of a document answer read only the other parts (`on_documents`)
+        self.off_documents: list[tuple[str, str]] = []
+        self.judged_off = False  # the last question answered was judged off the documents
         self.prefer = ""  # the model the user chose for this turn ("small" / "large"; "" = routed per call)
         self.tap: Any = None  # the input's second opinion reads the first model call's prefill (engine/taps.py)
         # starts the input check beside the first model call, once this thread only waits for tokens
@@ -234,6 +239,8 @@ class AgentLoop:
                 break
             said = emitter.said[start:].strip()
             asked += [question, {"role": "assistant", "content": said}]
+            if turn.judged_off and said:
+                turn.off_documents.append((part, said))
             if said and i < len(parts) - 1:
                 yield from emitter.emit(" ")
         yield from emitter.finish()
@@ -253,7 +260,8 @@ class AgentLoop:
             yield from emitter.emit(found.reply)  # said as it is, without the model
             turn.finish, turn.model, turn.route = "stop", "library", "library"
             return chat[:own], ids, memory
-        if found is not None and not found.about_documents:  # nor the document tools (tools/retrieval.py)
+        turn.judged_off = found is not None and not found.about_documents
+        if turn.judged_off:  # nor the document tools (tools/retrieval.py)
             tools = [t for t in tools if t.name not in DOCUMENT_TOOLS]
         if isinstance(user["content"], str) and (WRITE_CODE.search(user["content"]) or not (context or computes(
                 user, history))):  # code to read, or (without passages) nothing to compute: no interpreter
@@ -440,6 +448,15 @@ class AgentLoop:
                 yield verdict
             context.append(observed)
         return context, found
+
+
+def on_documents(question: Any, turn: TurnState) -> Any:
+    """The part of `question` the turn answered from the documents: the question without the parts of a
+    compound question judged off them (`TurnState.off_documents`); the question itself otherwise."""
+    if not (isinstance(question, str) and turn.off_documents):
+        return question
+    off = {part for part, _ in turn.off_documents}
+    return " ".join(p for p in question_parts(question) if p not in off) or question
 
 
 def computes(user: Message, history: Sequence[str]) -> bool:

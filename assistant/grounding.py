@@ -10,6 +10,9 @@ Design note — a fact the model could not have read is one it made up:
     idn2_to_ascii_8z, mime.cache, text/markdown, --name), ALL-CAPS names, quoted and code spans.
   * The *evidence* is every text the model was shown for the turn: the passages and tool results
     that entered through the agent loop's one door (`observe`), the question and the conversation.
+    The answer to a part of a compound question that the prefetch judged off the documents ("Where is
+    the shed key, and what is 3 times 7?") is its own evidence: no passage was meant to hold "21", and
+    the whole answer had been refused for it.
   * A fact is supported when the evidence holds it as a whole word (case-insensitive, whitespace and
     line-break hyphens folded; a number also as its word, "2" as "two"). A sentence with an
     unsupported fact is dropped; an answer left with no sentence that states a fact, or one with more

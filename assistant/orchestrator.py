@@ -46,7 +46,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from assistant.agent_loop import AgentLoop, AgentOptions, Prefetch, TurnState
+from assistant.agent_loop import AgentLoop, AgentOptions, Prefetch, TurnState, on_documents
 from assistant.answer_check import WITHDRAWN, cited_passages, passages_hold_answer
 from assistant.citations import SourceLedger, cited_as_written, verify_citations
 from assistant.config import AssistantConfig
@@ -338,9 +338,10 @@ class Orchestrator:
         if turn.quarantined:
             meta["quarantined"] = turn.quarantined
         final = turn.text
+        asked = on_documents(user.content, turn)
         if len(turn.ledger) and turn.route != "count" and turn.finish in ("stop", "length"):
             evidence = [*turn.evidence, user.as_chat()["content"], *(str(m.get("content") or "") for m in chat),
-                        *(p.doc for p in turn.ledger.passages)]
+                        *(p.doc for p in turn.ledger.passages), *(said for _, said in turn.off_documents)]
             grounding = ground(final, Evidence(evidence), turn.ledger.passages)
             final = grounding.text
             meta.update(grounding.to_meta())
@@ -349,20 +350,20 @@ class Orchestrator:
                      else verify_citations(final, turn.ledger, facts=facts_held))
             final = check.text
             meta.update(check.to_meta())
-            absent = self._not_in_documents(user.content, final, turn) if check.sources else []
+            absent = self._not_in_documents(asked, final, turn) if check.sources else []
             why, instead = "", ""
             if absent:  # cites passages, yet speaks of what no document mentions
                 meta["not_in_documents"] = absent
                 why, instead = UNMENTIONED.format(terms=" or ".join(absent)), not_mentioned(absent, turn.ledger.passages)
-            elif check.sources and isinstance(user.content, str) and states_no_number(user.content, final):
+            elif check.sources and isinstance(asked, str) and states_no_number(asked, final):
                 meta["states_no_number"] = True
                 why, instead = NO_NUMBER, refusal(turn.ledger.passages)
-            elif check.sources and isinstance(user.content, str) and turn.route != "count" and (
-                    count := unstated_count(user.content, final, turn.ledger.passages)):
+            elif check.sources and isinstance(asked, str) and turn.route != "count" and (
+                    count := unstated_count(asked, final, turn.ledger.passages)):
                 meta["unstated_count"] = count
                 why, instead = UNSTATED_COUNT.format(count=count), refusal(turn.ledger.passages)
-            elif check.sources and isinstance(user.content, str) and (
-                    fact := unstated_default(user.content, final, turn.ledger.passages)):
+            elif check.sources and isinstance(asked, str) and (
+                    fact := unstated_default(asked, final, turn.ledger.passages)):
                 meta["unstated_default"] = fact
                 why, instead = UNSTATED_DEFAULT.format(fact=fact), refusal(turn.ledger.passages)
             if why:
@@ -371,7 +372,7 @@ class Orchestrator:
                 check = replace(check, text=final, sources=())
                 meta.update(check.to_meta())
                 yield Notice(why, replaces_answer=final)
-            if self._withdrawn(turn, user, chat, [s.marker for s in check.sources], meta, cancel):
+            if self._withdrawn(turn, asked, chat, [s.marker for s in check.sources], meta, cancel):
                 meta["withdrawn_answer"] = final  # kept for the record, not shown
                 final = refusal(turn.ledger.passages)
                 check = replace(check, text=final, sources=())
@@ -398,18 +399,18 @@ class Orchestrator:
         return [term for term in question_terms(question)
                 if mentions(answer, term) and not mentions(seen, term) and not library(term, turn.scope)]
 
-    def _withdrawn(self, turn: TurnState, user: StoredMessage, chat: list[Message], markers: list[int],
+    def _withdrawn(self, turn: TurnState, question: Any, chat: list[Message], markers: list[int],
                    meta: dict[str, Any], cancel: threading.Event | None) -> bool:
         """Whether the answer check (assistant/answer_check.py) withdraws a document answer the large
         model wrote and grounding kept; its reply goes into `meta`. A follow-up ("And the second one?")
         is not checked: the check reads the question alone."""
         if not (self.options.check_answers and len(turn.ledger) and turn.route == LARGE and turn.finish == "stop"
-                and not meta.get("grounding_refusal") and isinstance(user.content, str)):
+                and not meta.get("grounding_refusal") and isinstance(question, str)):
             return False
-        if is_follow_up(user.content, user_questions(chat)):
+        if is_follow_up(question, user_questions(chat)):
             return False
         try:
-            keep, reply = passages_hold_answer(self.router.large(), user.content,
+            keep, reply = passages_hold_answer(self.router.large(), question,
                                                cited_passages(markers, turn.ledger.passages), turn.ledger.passages,
                                                cancel=cancel)
         except AssistantError:  # the check may only withdraw: without it the answer stands

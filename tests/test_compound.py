@@ -71,3 +71,40 @@ def test_without_documents_a_compound_question_is_one_call(tmp_path):
     orch, engine = make_orchestrator(tmp_path, "Both: 6 months, and 7 years.")
     events = list(orch.run_turn(None, "How often is the HEPA filter replaced, and what is the warranty period?"))
     assert len(engine.prompts) == 1 and events[-1].text == "Both: 6 months, and 7 years."
+
+
+def test_a_part_off_the_documents_is_not_refused_for_facts_no_passage_holds(tmp_path):
+    # "21" is in no passage: grounding refused the whole answer for it when the part was judged off the
+    # documents ("What is the shed key's location, and what is 3 times 7?" at `make run`)
+    from tests.test_citations import Measured
+
+    retriever = Measured(MANUAL, {"HEPA": 0.7})
+    orch, engine = make_orchestrator(tmp_path, "The HEPA filter is replaced every 6 months [1].", "3 times 7 is 21.",
+                                     retriever=retriever)
+    events = list(orch.run_turn(None, "How often is the HEPA filter replaced, and what is 3 times 7?"))
+    assert retriever.searches == ["How often is the HEPA filter replaced?"]  # the second part is judged off them
+    done = events[-1]
+    assert done.text == "The HEPA filter is replaced every 6 months [1]. 3 times 7 is 21."
+    meta = orch.store.get_message(done.message_id).meta
+    assert meta["unsupported_facts"] == [] and not meta["grounding_refusal"]
+    # the checks of a document answer (the answer check, an unstated count or default) read only the part
+    # asked of the documents
+    from assistant.agent_loop import TurnState, on_documents
+    from assistant.citations import SourceLedger
+
+    turn = TurnState("c", SourceLedger())
+    question = "How often is the HEPA filter replaced, and what is 3 times 7?"
+    assert on_documents(question, turn) == question
+    turn.off_documents.append(("What is 3 times 7?", "3 times 7 is 21."))
+    assert on_documents(question, turn) == "How often is the HEPA filter replaced?"
+
+
+def test_a_made_up_fact_in_a_part_about_the_documents_is_still_dropped(tmp_path):
+    from tests.test_citations import Measured
+
+    retriever = Measured(MANUAL, {"HEPA": 0.7, "warranty": 0.7})
+    orch, engine = make_orchestrator(tmp_path, "The HEPA filter is replaced every 6 months [1].",
+                                     "The warranty period is 12 years [2].", retriever=retriever)
+    done = list(orch.run_turn(None, "How often is the HEPA filter replaced, and what is the warranty period?"))[-1]
+    assert done.text == "The HEPA filter is replaced every 6 months [1]."
+    assert orch.store.get_message(done.message_id).meta["unsupported_facts"] == ["12"]

@@ -1,7 +1,9 @@
 """Which questions the document prefetch treats as being about the documents (tools/retrieval.py
 `DocumentPrefetch`, its design note): the 100 general questions here (questions.txt; the first 50 are
 the dev half the threshold was read on, the last 50 the test half) should get no passages, and every
-question of the RAG eval set (eval/rag, 215) should get some.
+question of the RAG eval set (eval/rag, 215) should get some. Each part of a RAG question that is asked as
+two (assistant/compound.py) should be judged about the documents too: a part judged off them is answered
+without passages, and its answer is not grounded.
 
 Run from the repository root, on a data dir where `assistant eval answers` ingested eval/rag/docs:
     python eval/general/gate.py --data-dir /tmp/evaldata [--min-relevance 0.4]
@@ -22,6 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from assistant.citations import SourceLedger  # noqa: E402
+from assistant.compound import question_parts  # noqa: E402
 from assistant.config import AssistantConfig  # noqa: E402
 
 
@@ -43,6 +46,10 @@ def main() -> int:
         found = prefetch(question, SourceLedger(), history)
         return bool(found and found.passages)
 
+    def judged_off(question: str, history: list[str]) -> bool:
+        found = prefetch(question, SourceLedger(), history)
+        return found is not None and not found.about_documents
+
     general = (HERE / "questions.txt").read_text(encoding="utf-8").splitlines()
     report: dict[str, object] = {"min_relevance": config.retrieval.min_relevance}
     for half, questions in (("dev", general[:50]), ("test", general[50:])):
@@ -57,6 +64,11 @@ def main() -> int:
         report[f"rag_{split}_questions"] = len(items)
         for name in missed:
             print(f"rag {split}: no passages for {name}")
+        off = [(it["id"], part) for it in items for i, part in enumerate(parts := question_parts(it["question"]))
+               if len(parts) > 1 and judged_off(part, [*it.get("history", []), *parts[:i]])]
+        report[f"rag_{split}_parts_off_documents"] = len(off)
+        for name, part in off:
+            print(f"rag {split}: {name}'s part {part!r} judged off the documents")
     retriever.close()
     print(json.dumps(report))
     return 0
