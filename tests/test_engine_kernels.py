@@ -210,7 +210,7 @@ def test_outlier_rows_are_the_same_alone_batched_mixed_and_past_the_fused_kernel
         alone = RowSplit.from_mask(~generated[i:i + 1])
         assert torch.equal(int8(x[i:i + 1].clone(), alone), big[i:i + 1]), i
     torch_ops = Linear(weight, bias, "int8", torch.float32, outliers=8)  # the same arithmetic in PyTorch ops
-    torch_ops.native = torch_ops.packed = torch_ops.exact = None
+    torch_ops.native = torch_ops.packed = torch_ops.exact = torch_ops.gemv = None
     want = torch_ops._int8(x[:4], torch.arange(4)) + bias
     assert torch.equal(int8(x[:4]), want)
 
@@ -320,7 +320,7 @@ def test_mixed_step_without_fbgemm_computes_prompt_and_decode_rows_with_their_ow
     weight, bias = weights
     monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
     int8 = Linear(weight, bias, "int8", torch.float32)
-    int8.packed = None  # what a build without fbgemm gets: weight-only kernel for generated tokens
+    int8.packed = int8.gemv = None  # what a build without fbgemm or AVX2 gets: weight-only kernel for generated tokens
     x = torch.randn(6, 256)
     rows = RowSplit.from_mask(torch.tensor([True, True, True, False, False, True]))
     mixed = int8(x, rows)
@@ -332,7 +332,7 @@ def test_fallback_kernel_without_fbgemm(layer, monkeypatch):
     weight, bias, int8 = layer
     monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
     fallback = Linear(weight, bias, "int8", torch.float32)
-    fallback.packed = None  # what a build without fbgemm gets
+    fallback.packed = fallback.gemv = None  # what a build without fbgemm or AVX2 gets
     x = torch.randn(2, 256)
     assert torch.allclose(fallback(x), int8(x), rtol=0.05, atol=0.05)
 
@@ -684,3 +684,63 @@ def test_native_weight_quantization_is_the_torch_ops_to_the_bit(shape, monkeypat
     cut = [shape[0] // 3, shape[0] // 3 + 1]  # parts stacked along the outputs (a fused q/k/v) give the same
     parts = Linear([weight[:cut[0]], weight[cut[0]:cut[1]], weight[cut[1]:]], None, "int8", torch.float32)
     assert torch.equal(parts.scale, scale) and torch.equal(parts.weight, q) and torch.equal(parts.vnni, lin.vnni)
+
+
+@pytest.fixture(scope="module")
+def avx2():
+    """The AVX2 int8 GEMM (csrc/avx2_gemv.cpp), built wherever the CPU has AVX2, AVX-512 or not."""
+    if native.unavailable_reason(native.AVX2_FLAGS) is not None:
+        pytest.skip(f"AVX2 kernel: {native.unavailable_reason(native.AVX2_FLAGS)}")
+    try:
+        return native.build(native.AVX2_SOURCES, "assistant_engine_avx2", native.AVX2_CFLAGS)
+    except Exception as exc:  # noqa: BLE001
+        need(False, f"the AVX2 int8 kernel (build failed: {exc})", "install g++ and ninja (make test does)")
+
+
+@pytest.mark.parametrize("n,k,r", [(300, 256, 1), (301, 262, 3), (64, 896, 4), (17, 1024, 9), (1000, 4864, 16)])
+def test_avx2_gemm_is_int_mm_bit_for_bit(avx2, n, k, r):
+    gen = torch.Generator().manual_seed(n + k + r)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    x = torch.randint(-127, 128, (r, k), generator=gen, dtype=torch.int8)
+    w[0], x[0] = 127, 127  # the largest pair sums: 2 * 127 * 127 per int16 lane, no saturation
+    w[-1], x[-1] = -127, -127
+    assert torch.equal(avx2.gemv(x, avx2.gemv_pack(w), n), (x.long() @ w.long().t()).int())
+
+
+def test_without_vnni_decode_rows_take_the_prompt_rows_arithmetic(avx2, weights, monkeypatch):
+    """On an AVX2 CPU a generated row is quantized like every other row (int8 activations, the residual
+    pass), and its output is the same bits whether the AVX2 kernel or the prompt path (`exact_int_mm`)
+    computes it, alone or in a batch: one arithmetic, whatever the batch."""
+    weight, bias = weights
+    monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
+    monkeypatch.setattr(int8_module, "avx2_kernels", lambda: avx2)
+    monkeypatch.setattr(int8_module, "fbgemm_matches_int_mm", lambda: False)
+    lin = Linear(weight, bias, "int8", torch.float32)
+    assert lin.gemv is not None and lin.packed is None and lin.native is None
+    reference = Linear(weight, bias, "int8", torch.float32)
+    reference.gemv, reference.exact = None, int8_module.exact_slices(reference.weight)
+    x = torch.randn(20, 256) * 3
+    generated = RowSplit.from_mask(torch.zeros(20, dtype=torch.bool))  # every row a generated token
+    batched = lin(x, generated)  # 40 GEMM rows: past the kernel's, through exact_int_mm
+    want = reference._int8(x, slice(None)) + bias
+    assert torch.equal(batched, want)
+    for i in range(0, 20, 7):  # 2 GEMM rows: the AVX2 kernel
+        alone = lin(x[i:i + 1].clone(), RowSplit.from_mask(torch.zeros(1, dtype=torch.bool)))
+        assert torch.equal(alone, batched[i:i + 1]), i
+    assert torch.equal(lin(x[:2]), want[:2])  # the lm_head's rows (no split): refined as well
+
+
+def test_outlier_channels_are_a_stable_sorts_first_m_ties_to_the_lower_index():
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(6, 4864, generator=gen).abs()
+    a[1, 100:140] = 9.0  # 40 ties at the top: the 16 lowest indices win
+    a[2, [7, 3000, 11]] = 5.0  # ties at the m-th place
+    a[2, :7] = 6.0
+    a[3, 5] = float("inf")
+    a[4, 9] = float("nan")  # never chosen
+    a[5] = 0.0  # all tied
+    want = a.nan_to_num(nan=-1.0).sort(dim=1, descending=True, stable=True).indices[:, :16].sort(dim=1).values
+    got = int8_module.largest(a, 16)
+    assert torch.equal(got, want)
+    assert got[1].tolist() == list(range(100, 116)) and got[5].tolist() == list(range(16)) and 9 not in got[4]
+    assert torch.equal(int8_module.largest(a[:, :8], 16), torch.arange(8).expand(6, 8))  # m past K: every channel

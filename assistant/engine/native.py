@@ -117,29 +117,34 @@ import time
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Sequence
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.cpp", "lm_head.cpp", "layer_ops.cpp", "decode_stack.cpp")]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 CFLAGS = ["-std=c++20", "-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off"]
+# Where those are missing but AVX2 is there: only the exact int8 GEMM of decode rows (csrc/avx2_gemv.cpp).
+AVX2_SOURCES = [Path(__file__).parent / "csrc" / "avx2_gemv.cpp"]
+AVX2_FLAGS = ("avx2",)
+AVX2_CFLAGS = ["-std=c++20", "-O3", "-mavx2", "-ffp-contract=off"]
 
 
 BUILD_WAIT_S = 900.0  # another process building the same sources: wait this long, then use PyTorch ops
 
 
-def build_dir() -> Path:
+def build_dir(cflags: list[str] | None = None) -> Path:
     """One directory per checkout and version of the sources and flags: torch's build file names the
     sources by absolute path, so two checkouts sharing a directory rebuild (and overwrite a loaded
     .so) whenever the other one ran last."""
-    digest = hashlib.sha256("\0".join(CFLAGS).encode())
+    digest = hashlib.sha256("\0".join(CFLAGS if cflags is None else cflags).encode())
     for path in sorted(SOURCES[0].parent.glob("*.[ch]*")):  # the headers too
         digest.update(str(path.resolve()).encode() + b"\0" + path.read_bytes())
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "assistant" / "native" / digest.hexdigest()[:16]
 
 
-def unavailable_reason() -> str | None:
+def unavailable_reason(required: Sequence[str] | None = None) -> str | None:
     """Why the kernel cannot run on this machine (None: it can, once built)."""
     if os.environ.get("ASSISTANT_NATIVE", "1") == "0":
         return "disabled by ASSISTANT_NATIVE=0"
@@ -149,7 +154,7 @@ def unavailable_reason() -> str | None:
         flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     except OSError as exc:
         return f"cannot read /proc/cpuinfo: {exc}"
-    missing = [f for f in REQUIRED_FLAGS if f not in flags]
+    missing = [f for f in (REQUIRED_FLAGS if required is None else required) if f not in flags]
     return f"this CPU lacks {', '.join(missing)}" if missing else None
 
 
@@ -164,7 +169,28 @@ def int8_kernels() -> ModuleType | None:
             return module
         except Exception as exc:  # noqa: BLE001 - no compiler / headers: the PyTorch-op path still works
             reason = f"building {SOURCES[0].parent} failed ({str(exc).strip().splitlines()[-1][:300]}); install g++ and ninja"
-    log.warning("int8 decode kernel not used: %s; decoding through PyTorch ops (slower)", reason)
+    if avx2_kernels() is not None:
+        log.warning("int8 decode kernel not used: %s; decoding through PyTorch ops and the AVX2 int8 GEMM", reason)
+    else:
+        log.warning("int8 decode kernel not used: %s; decoding through PyTorch ops (slower)", reason)
+    return None
+
+
+@functools.cache
+def avx2_kernels() -> ModuleType | None:
+    """The AVX2 int8 GEMM (csrc/avx2_gemv.cpp) on a CPU without the AVX-512 kernels, or None (the reason
+    logged once)."""
+    if unavailable_reason() is None:
+        return None  # the AVX-512 kernels serve it
+    reason = unavailable_reason(AVX2_FLAGS)
+    if reason is None:
+        try:
+            module = build(AVX2_SOURCES, "assistant_engine_avx2", AVX2_CFLAGS)
+            module.set_threads(_threads or torch_threads())
+            return module
+        except Exception as exc:  # noqa: BLE001 - as above
+            reason = f"building {AVX2_SOURCES[0]} failed ({str(exc).strip().splitlines()[-1][:300]}); install g++ and ninja"
+    log.warning("AVX2 int8 kernel not used: %s; decode rows use bf16 activations (slower)", reason)
     return None
 
 
@@ -182,22 +208,25 @@ def set_threads(num_threads: int) -> None:
     when they load."""
     global _threads
     _threads = max(1, num_threads)
-    if int8_kernels.cache_info().currsize and (module := int8_kernels()) is not None:
-        module.set_threads(_threads)
+    for kernels in (int8_kernels, avx2_kernels):
+        if kernels.cache_info().currsize and (module := kernels()) is not None:
+            module.set_threads(_threads)
 
 
-def build(verbose: bool = False) -> ModuleType:
+def build(sources: list[Path] | None = None, name: str = "assistant_engine_native", cflags: list[str] | None = None,
+          verbose: bool = False) -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    out = build_dir()
+    sources, cflags = sources or SOURCES, cflags or CFLAGS
+    out = build_dir(cflags)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "build.flock", "w") as guard:
         _hold(guard, out)
         (out / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed build: none is running now
         if not any(out.glob("*.so")):
             print("Building the int8 decode kernel (once, about a minute)...", file=sys.stderr, flush=True)
-        return load(name="assistant_engine_native", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                    build_directory=str(out), verbose=verbose)
+        return load(name=name, sources=[str(p) for p in sources], extra_cflags=cflags, build_directory=str(out),
+                    verbose=verbose)
 
 
 def _hold(guard, out: Path, wait_s: float | None = None) -> None:
