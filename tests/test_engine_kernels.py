@@ -463,6 +463,7 @@ def test_exact_int_mm_is_int_mm_bit_for_bit_past_the_fp32_integer_range():
 def test_prompt_rows_without_vnni_go_through_the_exact_gemm_and_match_int_mm(weights, monkeypatch):
     weight, bias = weights
     monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
+    monkeypatch.setattr(int8_module, "avx2_kernels", lambda: None)
     monkeypatch.setattr(int8_module, "fbgemm_matches_int_mm", lambda: False)
     monkeypatch.setattr(int8_module, "int_mm_is_fast", lambda: False)
     exact = Linear(weight, bias, "int8", torch.float32)
@@ -697,7 +698,8 @@ def avx2():
         need(False, f"the AVX2 int8 kernel (build failed: {exc})", "install g++ and ninja (make test does)")
 
 
-@pytest.mark.parametrize("n,k,r", [(300, 256, 1), (301, 262, 3), (64, 896, 4), (17, 1024, 9), (1000, 4864, 16)])
+@pytest.mark.parametrize("n,k,r", [(300, 256, 1), (301, 262, 3), (64, 896, 4), (17, 1024, 9), (1000, 4864, 16),
+                                   (40, 512, 130)])
 def test_avx2_gemm_is_int_mm_bit_for_bit(avx2, n, k, r):
     gen = torch.Generator().manual_seed(n + k + r)
     w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -715,19 +717,22 @@ def test_without_vnni_decode_rows_take_the_prompt_rows_arithmetic(avx2, weights,
     monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
     monkeypatch.setattr(int8_module, "avx2_kernels", lambda: avx2)
     monkeypatch.setattr(int8_module, "fbgemm_matches_int_mm", lambda: False)
+    monkeypatch.setattr(int8_module, "int_mm_is_fast", lambda: False)
     lin = Linear(weight, bias, "int8", torch.float32)
-    assert lin.gemv is not None and lin.packed is None and lin.native is None
+    assert lin.gemv is not None and lin.packed is None and lin.native is None and lin.exact is None  # no fp32 copy
     reference = Linear(weight, bias, "int8", torch.float32)
     reference.gemv, reference.exact = None, int8_module.exact_slices(reference.weight)
     x = torch.randn(20, 256) * 3
     generated = RowSplit.from_mask(torch.zeros(20, dtype=torch.bool))  # every row a generated token
-    batched = lin(x, generated)  # 40 GEMM rows: past the kernel's, through exact_int_mm
-    want = reference._int8(x, slice(None)) + bias
+    batched = lin(x, generated)  # 40 GEMM rows
+    want = reference._int8(x, slice(None)) + bias  # exact_int_mm's
     assert torch.equal(batched, want)
-    for i in range(0, 20, 7):  # 2 GEMM rows: the AVX2 kernel
+    for i in range(0, 20, 7):  # 2 GEMM rows
         alone = lin(x[i:i + 1].clone(), RowSplit.from_mask(torch.zeros(1, dtype=torch.bool)))
         assert torch.equal(alone, batched[i:i + 1]), i
     assert torch.equal(lin(x[:2]), want[:2])  # the lm_head's rows (no split): refined as well
+    prompt = RowSplit.from_mask(torch.ones(20, dtype=torch.bool))  # a prompt chunk: one pass, the same kernel
+    assert torch.equal(lin(x, prompt), reference._int8(x, None) + bias)
 
 
 def test_outlier_channels_are_a_stable_sorts_first_m_ties_to_the_lower_index():

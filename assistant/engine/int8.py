@@ -61,20 +61,24 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     over as integral floats (scale 1, zero point 128), which its own quantization leaves exact
     (fbgemm's dynamic-quant linear would quantize the whole batch with one scale, making a request's
     output depend on its batch). `fbgemm_matches_int_mm` checks bit-identity with `_int_mm` once per
-    process, int16 saturation included. Where it fails (AVX2 fbgemm saturates int16 pair sums), steps of
-    up to GEMV_MAX_ROWS GEMM rows go through csrc/avx2_gemv.cpp (native.py `avx2_kernels`), an exact
-    int8 GEMM, and larger ones through `exact_int_mm`: both give `_int_mm`'s int32, so a generated row
-    is quantized, refined and computed as on every other CPU, whatever its batch. Measured on 2 Zen 3
-    cores (no AVX-512) with a busy neighbour, bench/engine_baseline.py alternating runs: 0.5B decode
-    5.9-7.1 -> 8.1-9.5 tok/s (1.5-1.9x -> 2.2-2.4x HF generate). The kernel streams a 136 MB head at
-    ~7 GB/s where the bf16 `_weight_int8pack_mm` it replaces ran at ~3.4; without AVX2, generated rows
-    still use that (bf16 activations) and prompt rows `exact_int_mm`.
+    process, int16 saturation included. Where it fails (AVX2 fbgemm saturates int16 pair sums), rows go
+    through csrc/avx2_gemv.cpp (native.py `avx2_kernels`), an exact int8 GEMM giving `_int_mm`'s int32:
+    a generated row is quantized, refined and computed as on every other CPU, whatever its batch. It
+    serves prompt chunks too (on a CPU with AVX-VNNI, `_int_mm` takes those past GEMV_MAX_ROWS rows), and
+    replaced what ran there before: generated rows through `_weight_int8pack_mm` (bf16 activations,
+    ~3.4 GB/s over a 136 MB head where the kernel reads ~7) and prompt rows through `exact_int_mm` over
+    an fp32 copy of the weights (4 bytes a weight, the kernel's packed copy 1). On 2 Zen 3 cores, one
+    call: gate_up-shaped rows (9728 x 896) at 16-512 rows 0.21-0.66x the time of `exact_int_mm`,
+    down-shaped (896 x 4864) 0.14-0.79x. Through the engine (0.5B, a 1,754-token prompt then 48 greedy
+    tokens, old and new code alternating in one hour): time to first token 23-29 s -> 16-18 s, decode
+    8.7-11.8 -> 11.2-14.6 tok/s, peak RSS 6.3 -> 4.9 GB, the same tokens. Without AVX2, generated rows
+    use `_weight_int8pack_mm` and prompt rows `exact_int_mm`.
   * `exact_int_mm` is `_int_mm`'s exact int32 result computed by fp32 GEMMs: int8 values are exact in
     fp32, and so is every partial sum of a K-slice of at most EXACT_K (127 * 127 * 1024 < 2^24), in
     any summation order; the slices' results add up in int32. On a CPU without VNNI, oneDNN's
     `_int_mm` falls back to a slow path (2 threads, AVX2, 512x896 @ 896x4864: 1.13 s against 0.053 s
     for the fp32 GEMM), which made a 1,500-token RAG prompt take minutes to prefill. The fp32 copy of
-    the weights (4x the int8 bytes) is made only on such CPUs.
+    the weights (4x the int8 bytes) is made only on such CPUs without AVX2.
 In every case the int8 weights are held twice (the GEMV layout and `_int_mm`'s); decode reads one.
 
 Greedy rows (temperature 0, the default) need only the argmax of the lm_head, which is a quarter of a
@@ -100,7 +104,7 @@ from assistant.engine.native import avx2_kernels, int8_kernels
 
 EXACT_K = 1024  # exact_int_mm's K-slice: 127 * 127 * EXACT_K < 2**24, the last integer fp32 holds exactly
 FBGEMM_MAX_ROWS = 8  # steps with more rows than this use torch._int_mm (see the module docstring)
-GEMV_MAX_ROWS = 16  # GEMM rows the AVX2 kernel takes; more (prompt chunks) go through `exact_int_mm`
+GEMV_MAX_ROWS = 16  # GEMM rows the AVX2 kernel takes where oneDNN's `_int_mm` has VNNI (AVX-VNNI); all elsewhere
 MAX_OUTLIERS = 32  # outlier channels a refined row may keep (csrc/int8_common.h)
 SCREEN_Z = 8.0  # candidate margin of the screened greedy head, in standard deviations (csrc/lm_head.cpp)
 
@@ -135,8 +139,8 @@ class Linear:
                 self.packed = fbgemm_pack(self.weight, self.scale)
                 return
             if on_cpu and (avx2 := avx2_kernels()) is not None:  # decode rows: int8 as well, exact
-                self.gemv = (avx2, avx2.gemv_pack(self.weight))
-            if on_cpu and not int_mm_is_fast():
+                self.gemv = (avx2, avx2.gemv_pack(self.weight))  # every row through the AVX2 kernel
+            elif on_cpu and not int_mm_is_fast():
                 self.exact = exact_slices(self.weight)
         else:
             self.weight = torch.cat(parts).to(dtype).contiguous()
@@ -182,7 +186,7 @@ class Linear:
             xq = torch.cat([head, (u[refine] - head[refine]).mul_(254.0).round_()])
         if self.packed is not None and xq.size(0) <= FBGEMM_MAX_ROWS:
             acc = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xq, 1.0, 128, self.packed)
-        elif self.gemv is not None and xq.size(0) <= GEMV_MAX_ROWS:
+        elif self.gemv is not None and (xq.size(0) <= GEMV_MAX_ROWS or not int_mm_is_fast()):
             ext, packed = self.gemv
             acc = ext.gemv(xq.to(torch.int8), packed, self.weight.size(0)).float().mul_(self.scale)
         elif self.exact is not None:
@@ -208,7 +212,7 @@ class Linear:
         rest = x.clone()
         rest[rows] = picked.scatter(1, idx, 0.0).to(x.dtype)
         y = self._int8(rest, None)
-        if self.columns is None:  # the weights by input channel, for the gathers of every later step
+        if self.columns is None:  # the weights by input channel: 16 columns of a down-shaped weight in 26 us, not 122
             self.columns = self.weight.t().contiguous()
         columns = self.columns[idx].float()  # (R, m, N)
         sums = torch.zeros(rows.numel(), self.weight.size(0))

@@ -103,7 +103,9 @@ vCPUs. torch guards a build with a `lock` file that a killed build leaves behind
 then waits for it forever (a CI run hung 85 minutes on one). So builders first take an flock on
 `build.flock` (the kernel drops it when a builder dies); whoever holds it knows no build is running
 and removes a leftover `lock`. Without AVX-512 VNNI, a compiler, or with ASSISTANT_NATIVE=0, the
-engine uses the PyTorch-op path instead (int8.py, model.py) and says why once.
+engine uses the PyTorch-op path instead (int8.py, model.py) and says why once. On that path, a CPU
+with AVX2 gets one kernel, `avx2_kernels` (csrc/avx2_gemv.cpp: the linears' exact int8 GEMM, its
+own design note; int8.py has the figures), built the same way into a directory of its own.
 """
 
 from __future__ import annotations
