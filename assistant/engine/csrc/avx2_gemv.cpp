@@ -24,7 +24,8 @@
 //     fp32 copy (4 bytes a weight) is gone; the packed copy costs 1.
 //   * Tried: the same multiply on the row-major weights, no copy (tiles of 3-4 outputs x 1-2 rows, lane sums per
 //     output at the end). One call was within ~15-25% of this one, but decode through the engine ran at 8.4-8.7
-//     tok/s against 11.3-13.2 (0.5B, alternating runs), so the copy stays.
+//     tok/s against 11.3-13.2 (0.5B, alternating runs; that build also gathered the outlier columns ~1.4 ms a
+//     step slower), so the copy stays.
 #include <torch/extension.h>
 #include <immintrin.h>
 
