@@ -64,8 +64,9 @@ def main() -> int:
         report[f"rag_{split}_questions"] = len(items)
         for name in missed:
             print(f"rag {split}: no passages for {name}")
-        off = [(it["id"], part) for it in items for i, part in enumerate(parts := question_parts(it["question"]))
-               if len(parts) > 1 and judged_off(part, [*it.get("history", []), *parts[:i]])]
+        asked = [(it, question_parts(it["question"])) for it in items]
+        off = [(it["id"], part) for it, parts in asked if len(parts) > 1 for i, part in enumerate(parts)
+               if judged_off(part, [*it.get("history", []), *parts[:i]])]
         report[f"rag_{split}_parts_off_documents"] = len(off)
         for name, part in off:
             print(f"rag {split}: {name}'s part {part!r} judged off the documents")
