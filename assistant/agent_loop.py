@@ -256,11 +256,11 @@ class AgentLoop:
         history = user_questions(chat)
         asks_list = isinstance(user["content"], str) and LISTS_DOCUMENTS.search(user["content"]) is not None
         context, found = yield from self._prefetch(user["content"], turn, history, enabled=turn.documents or asks_list)
+        turn.judged_off = found is not None and not found.about_documents and not found.reply
         if found is not None and found.reply:  # "What documents do I have?", "Read notes.pdf" with no notes.pdf:
             yield from emitter.emit(found.reply)  # said as it is, without the model
             turn.finish, turn.model, turn.route = "stop", "library", "library"
             return chat[:own], ids, memory
-        turn.judged_off = found is not None and not found.about_documents
         if turn.judged_off:  # nor the document tools (tools/retrieval.py)
             tools = [t for t in tools if t.name not in DOCUMENT_TOOLS]
         if isinstance(user["content"], str) and (WRITE_CODE.search(user["content"]) or not (context or computes(
