@@ -460,12 +460,18 @@ def test_exact_int_mm_is_int_mm_bit_for_bit_past_the_fp32_integer_range():
     assert got[0, 0].item() == 127 * 127 * 2600
 
 
+def without_vnni(monkeypatch, avx2=None, int_mm_fast: bool = False) -> None:
+    """What `Linear` finds on a CPU without AVX-512 VNNI and an exact fbgemm: the AVX2 kernel (or none), and
+    an `_int_mm` that is fast (AVX-VNNI) or not."""
+    monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
+    monkeypatch.setattr(int8_module, "avx2_kernels", lambda: avx2)
+    monkeypatch.setattr(int8_module, "fbgemm_matches_int_mm", lambda: False)
+    monkeypatch.setattr(int8_module, "int_mm_is_fast", lambda: int_mm_fast)
+
+
 def test_prompt_rows_without_vnni_go_through_the_exact_gemm_and_match_int_mm(weights, monkeypatch):
     weight, bias = weights
-    monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
-    monkeypatch.setattr(int8_module, "avx2_kernels", lambda: None)
-    monkeypatch.setattr(int8_module, "fbgemm_matches_int_mm", lambda: False)
-    monkeypatch.setattr(int8_module, "int_mm_is_fast", lambda: False)
+    without_vnni(monkeypatch)
     exact = Linear(weight, bias, "int8", torch.float32)
     monkeypatch.setattr(int8_module, "int_mm_is_fast", lambda: True)
     int_mm = Linear(weight, bias, "int8", torch.float32)
@@ -714,10 +720,7 @@ def test_without_vnni_decode_rows_take_the_prompt_rows_arithmetic(avx2, weights,
     pass), and its output is the same bits whether the AVX2 kernel or the prompt path (`exact_int_mm`)
     computes it, alone or in a batch: one arithmetic, whatever the batch."""
     weight, bias = weights
-    monkeypatch.setattr(int8_module, "int8_kernels", lambda: None)
-    monkeypatch.setattr(int8_module, "avx2_kernels", lambda: avx2)
-    monkeypatch.setattr(int8_module, "fbgemm_matches_int_mm", lambda: False)
-    monkeypatch.setattr(int8_module, "int_mm_is_fast", lambda: False)
+    without_vnni(monkeypatch, avx2)
     lin = Linear(weight, bias, "int8", torch.float32)
     assert lin.gemv is not None and lin.packed is None and lin.native is None and lin.exact is None  # no fp32 copy
     reference = Linear(weight, bias, "int8", torch.float32)
@@ -733,6 +736,11 @@ def test_without_vnni_decode_rows_take_the_prompt_rows_arithmetic(avx2, weights,
     assert torch.equal(lin(x[:2]), want[:2])  # the lm_head's rows (no split): refined as well
     prompt = RowSplit.from_mask(torch.ones(20, dtype=torch.bool))  # a prompt chunk: one pass, the same kernel
     assert torch.equal(lin(x, prompt), reference._int8(x, None) + bias)
+    without_vnni(monkeypatch, avx2, int_mm_fast=True)  # AVX-VNNI: past GEMV_MAX_ROWS rows, oneDNN's `_int_mm`
+    vnni = Linear(weight, bias, "int8", torch.float32)
+    assert vnni.gemv is not None and vnni.exact is None
+    assert torch.equal(vnni(x, generated), batched) and torch.equal(vnni(x[:1], RowSplit.from_mask(
+        torch.zeros(1, dtype=torch.bool))), batched[:1])
 
 
 def test_outlier_channels_are_a_stable_sorts_first_m_ties_to_the_lower_index():
