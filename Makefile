@@ -12,7 +12,7 @@ EXTRAS    := engine,ui,ingest,sandbox,postgres,gateway,safety,media,test
 # g++ and Python headers for the engine's int8 decode kernel (built once into ~/.cache/assistant/native),
 # redis-server for the shared rate-limit test on a real (throwaway) Redis, chromium for the browser tests
 # (driven by Playwright with executable_path: no browser download), DejaVu fonts for rendered test images.
-APT_PACKAGES := tesseract-ocr tesseract-ocr-eng postgresql g++ python3-dev redis-server chromium fonts-dejavu-core
+APT_PACKAGES := tesseract-ocr tesseract-ocr-eng postgresql g++ python3-dev libsimde-dev redis-server chromium fonts-dejavu-core
 SHELL     := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 QUIET     := { grep -v '^WARNING: Location' || true; }

@@ -757,3 +757,39 @@ def test_outlier_channels_are_a_stable_sorts_first_m_ties_to_the_lower_index():
     assert torch.equal(got, want)
     assert got[1].tolist() == list(range(100, 116)) and got[5].tolist() == list(range(16)) and 9 not in got[4]
     assert torch.equal(int8_module.largest(a[:, :8], 16), torch.arange(8).expand(6, 8))  # m past K: every channel
+
+
+@pytest.fixture(scope="module")
+def avx2_build():
+    """The native kernels' AVX2 build (csrc/avx512_on_avx2.h): the engine's own kernels on an AVX2 CPU, and built
+    beside the AVX-512 ones on an AVX-512 CPU, so that the two can be compared."""
+    if native.target() == "avx2":
+        ext = native.int8_kernels()
+        need(ext is not None, "the native kernels' AVX2 build (build failed)", "install g++, ninja and libsimde-dev")
+        return ext
+    if native.unavailable_reason(native.EMULATED_FLAGS) is not None or native.simde_include() is None:
+        pytest.skip("the AVX2 build needs AVX2, FMA and SIMDe's headers (libsimde-dev)")
+    try:
+        return native.build(native.SOURCES, "assistant_engine_native_avx2", native.EMULATED_CFLAGS)
+    except Exception as exc:  # noqa: BLE001
+        need(False, f"the native kernels' AVX2 build (build failed: {exc})", "install g++, ninja and libsimde-dev")
+
+
+@pytest.mark.parametrize("n,k,r", [(300, 256, 1), (301, 262, 7), (64, 896, 33), (1000, 4864, 40), (70, 200, 130)])
+def test_avx2_build_int_mm_is_int_mm_bit_for_bit(avx2_build, n, k, r):
+    """Prompt chunks past the kernel's rows, on the AVX2 build: its own GEMM over `pack`'s layout, not oneDNN's."""
+    gen = torch.Generator().manual_seed(n * k + r)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    x = torch.randint(-127, 128, (r, k), generator=gen, dtype=torch.int8)
+    w[0], x[0], w[-1], x[-1] = 127, 127, -127, -127
+    assert torch.equal(avx2_build.int_mm(x, avx2_build.pack(w), n), (x.long() @ w.long().t()).int())
+
+
+def test_avx2_build_gives_the_avx512_builds_bits(ops, avx2_build):
+    """Where both builds run (an AVX-512 CPU), every kernel gives the same bits: an AVX2 machine answers as an
+    AVX-512 one does (the emulation is lane for lane the same IEEE operation, reductions in GCC's order)."""
+    if native.target() != "avx512":
+        pytest.skip("needs an AVX-512 CPU, to run both builds")
+    for seed in (0, 1):
+        for a, b in zip(_every_kernel(ops, seed), _every_kernel(avx2_build, seed)):
+            assert torch.equal(a, b)

@@ -230,7 +230,10 @@ class Linear:
             return self.native.linear(x, self.vnni, self.scale, self.bias, refine, outliers)
         q = self.native.quantize(x, refine, outliers)  # with outliers: their channels and values as q[2], q[3]
         extra = (self.vnni, q[2], q[3]) if outliers else (None, None, None)
-        return self.native.finish(torch._int_mm(q[0], self.weight.t()), self.scale, q[1], refine, self.bias, *extra)
+        # the AVX2 build has its own exact GEMM: oneDNN's `_int_mm` without VNNI takes a slow path
+        acc = (self.native.int_mm(q[0], self.vnni, self.weight.size(0)) if hasattr(self.native, "int_mm")
+               and not int_mm_is_fast() else torch._int_mm(q[0], self.weight.t()))
+        return self.native.finish(acc, self.scale, q[1], refine, self.bias, *extra)
 
     def prepare_greedy(self) -> None:
         """Pack the 4-bit screening copy for `greedy_logits` (native int8 only; +half the int8 bytes)."""

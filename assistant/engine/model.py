@@ -174,8 +174,14 @@ class Transformer:
         """The most new tokens a step computes in the native layer stack (None: no stack, any size runs alike).
         Past it a step leaves the stack for SDPA and torch._int_mm, which cost ~2x as much per prompt token
         here: a 1,036-token prompt prefilled 1.64 s in one 512-token chunk, 0.83 s in 32-token steps (Qwen2.5-0.5B,
-        2 cores), so prefill on this path goes in steps of this size (local.py)."""
-        if self.stack is None:
+        2 cores), so prefill on this path goes in steps of this size (local.py). Not so on the AVX2 build (native.py):
+        its 32-row steps emulate 32 zmm registers with 16 ymm ones, and its `int_mm` runs big chunks at a fraction of
+        the cost, so prompts go in the scheduler's chunks there (a 1,754-token prompt, 0.5B, 2 Zen 3 cores: time to
+        the first token 25-28 s in 32-token steps, 13.7-14.2 s in chunks). The price: a chunk's attention is SDPA's, so
+        a prompt read partly from the prefix cache may differ in the last bits from the same prompt computed cold
+        (native attention for the chunks instead kept them equal, but took the time to 23.5-24 s: `attend` is built
+        for a step's few queries)."""
+        if self.stack is None or hasattr(self.ops, "int_mm"):
             return None
         return min(ATTEND_MAX_QUERIES, self.ops.MAX_ROWS)
 

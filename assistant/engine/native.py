@@ -102,10 +102,20 @@ sources, their paths and the flags>, once per checkout and source version: about
 vCPUs. torch guards a build with a `lock` file that a killed build leaves behind, and the next build
 then waits for it forever (a CI run hung 85 minutes on one). So builders first take an flock on
 `build.flock` (the kernel drops it when a builder dies); whoever holds it knows no build is running
-and removes a leftover `lock`. Without AVX-512 VNNI, a compiler, or with ASSISTANT_NATIVE=0, the
-engine uses the PyTorch-op path instead (int8.py, model.py) and says why once. On that path, a CPU
-with AVX2 gets one kernel, `avx2_kernels` (csrc/avx2_gemv.cpp: the linears' exact int8 GEMM, its
-own design note; int8.py has the figures), built the same way into a directory of its own.
+and removes a leftover `lock`.
+AVX2 CPUs (2026-12-01). Without AVX-512, a CPU with AVX2 and FMA builds the same sources against
+csrc/avx512_on_avx2.h (SIMDe maps each 512-bit intrinsic onto two 256-bit halves; the header says why the
+bits are meant to stay the AVX-512 build's, and tests/test_engine_kernels.py compares the builds wherever both
+run). Emulated vpdpbusd widens every byte, so int8_common.h `dot_tile` has an AVX2 body (vpmaddubsw on |x| and
+the sign-flipped weight), and prompt chunks get `int_mm` over the same packed weights, since oneDNN's `_int_mm`
+has no VNNI there. 2 Zen 3 cores, 0.5B, against the PyTorch-op path this replaced, same run: the model's step
+at 300 tokens of context 102 -> 35-42 ms at 1 row, 259 -> 134-153 ms at 8; through the engine, decode
+18.4-20.2 -> 23.2-27.0 tok/s (1.5B: 5.65-5.9 -> 8.2-10.0), the same tokens. Tried and dropped: one group of 16 outputs per pass in
+`dot_tile` (2R accumulators instead of 8R, no spills) took the 1-row step from 35-42 to 84-87 ms.
+Without AVX2 and FMA, SIMDe's headers, a compiler, or with ASSISTANT_NATIVE=0, the engine uses the
+PyTorch-op path instead (int8.py, model.py) and says why once. On that path, a CPU with AVX2 gets one kernel,
+`avx2_kernels` (csrc/avx2_gemv.cpp: the linears' exact int8 GEMM, its own design note; int8.py has the
+figures), built the same way into a directory of its own.
 """
 
 from __future__ import annotations
@@ -126,6 +136,11 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int8_linear.cpp", "lm_head.cpp", "layer_ops.cpp", "decode_stack.cpp")]
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 CFLAGS = ["-std=c++20", "-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni", "-ffp-contract=off"]
+# Without AVX-512 but with AVX2 and FMA: the same sources, their 512-bit intrinsics on 256-bit halves through SIMDe
+# (csrc/avx512_on_avx2.h says how, and why the bits stay those of the AVX-512 build).
+EMULATED_FLAGS = ("avx2", "fma")
+EMULATED_CFLAGS = ["-std=c++20", "-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
+SIMDE_HEADER = "simde/x86/avx512.h"  # Debian's libsimde-dev (make system installs it)
 # Where those are missing but AVX2 is there: only the exact int8 GEMM of decode rows (csrc/avx2_gemv.cpp).
 AVX2_SOURCES = [Path(__file__).parent / "csrc" / "avx2_gemv.cpp"]
 AVX2_FLAGS = ("avx2",)
@@ -147,7 +162,8 @@ def build_dir(cflags: list[str] | None = None) -> Path:
 
 
 def unavailable_reason(required: Sequence[str] | None = None) -> str | None:
-    """Why the kernel cannot run on this machine (None: it can, once built)."""
+    """Why the kernels cannot run on this machine (None: they can, once built). `required`: these CPU flags
+    only; by default the full kernels, on AVX-512 VNNI or (emulated) on AVX2 with FMA and SIMDe's headers."""
     if os.environ.get("ASSISTANT_NATIVE", "1") == "0":
         return "disabled by ASSISTANT_NATIVE=0"
     if not sys.platform.startswith("linux"):
@@ -156,8 +172,32 @@ def unavailable_reason(required: Sequence[str] | None = None) -> str | None:
         flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     except OSError as exc:
         return f"cannot read /proc/cpuinfo: {exc}"
-    missing = [f for f in (REQUIRED_FLAGS if required is None else required) if f not in flags]
-    return f"this CPU lacks {', '.join(missing)}" if missing else None
+    missing = lambda need: [f for f in need if f not in flags]  # noqa: E731
+    if required is not None:
+        return f"this CPU lacks {', '.join(missing(required))}" if missing(required) else None
+    if not missing(REQUIRED_FLAGS):
+        return None
+    if missing(EMULATED_FLAGS):
+        return f"this CPU lacks {', '.join(missing(REQUIRED_FLAGS))} (AVX-512) and {', '.join(missing(EMULATED_FLAGS))}"
+    if simde_include() is None:
+        return (f"this CPU lacks {', '.join(missing(REQUIRED_FLAGS))}, and the AVX2 build needs SIMDe's headers "
+                f"({SIMDE_HEADER}): install libsimde-dev (make system does)")
+    return None
+
+
+def target() -> str | None:
+    """"avx512" or "avx2": the build the full kernels use on this CPU (None: they cannot run here)."""
+    if unavailable_reason() is not None:
+        return None
+    return "avx512" if unavailable_reason(REQUIRED_FLAGS) is None else "avx2"
+
+
+def simde_include() -> Path | None:
+    """The include directory that holds SIMDe's AVX-512 header, or None."""
+    for base in (os.environ.get("SIMDE_INCLUDE"), "/usr/include", "/usr/local/include", Path(sys.prefix) / "include"):
+        if base and (Path(base) / SIMDE_HEADER).is_file():
+            return Path(base)
+    return None
 
 
 @functools.cache
@@ -166,24 +206,31 @@ def int8_kernels() -> ModuleType | None:
     reason = unavailable_reason()
     if reason is None:
         try:
-            module = build()
+            if target() == "avx512":
+                module = build()
+            else:
+                include = simde_include()
+                module = build(SOURCES, "assistant_engine_native_avx2",
+                               EMULATED_CFLAGS + ([] if str(include) in ("/usr/include", "/usr/local/include") else [f"-I{include}"]))
             module.set_threads(_threads or torch_threads())
             return module
         except Exception as exc:  # noqa: BLE001 - no compiler / headers: the PyTorch-op path still works
             reason = f"building {SOURCES[0].parent} failed ({str(exc).strip().splitlines()[-1][:300]}); install g++ and ninja"
-    if avx2_kernels() is not None:
+    if _avx2_gemm() is not None:
         log.warning("int8 decode kernel not used: %s; decoding through PyTorch ops and the AVX2 int8 GEMM", reason)
     else:
         log.warning("int8 decode kernel not used: %s; decoding through PyTorch ops (slower)", reason)
     return None
 
 
-@functools.cache
 def avx2_kernels() -> ModuleType | None:
-    """The AVX2 int8 GEMM (csrc/avx2_gemv.cpp) on a CPU without the AVX-512 kernels, or None (the reason
-    logged once)."""
-    if unavailable_reason() is None:
-        return None  # the AVX-512 kernels serve it
+    """The AVX2 int8 GEMM (csrc/avx2_gemv.cpp) where the full kernels cannot run (no FMA, no SIMDe, a failed build)
+    but AVX2 is there, or None."""
+    return None if int8_kernels() is not None else _avx2_gemm()
+
+
+@functools.cache
+def _avx2_gemm() -> ModuleType | None:
     reason = unavailable_reason(AVX2_FLAGS)
     if reason is None:
         try:
@@ -210,7 +257,7 @@ def set_threads(num_threads: int) -> None:
     when they load."""
     global _threads
     _threads = max(1, num_threads)
-    for kernels in (int8_kernels, avx2_kernels):
+    for kernels in (int8_kernels, _avx2_gemm):
         if kernels.cache_info().currsize and (module := kernels()) is not None:
             module.set_threads(_threads)
 

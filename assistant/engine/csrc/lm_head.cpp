@@ -72,7 +72,7 @@ void screen_chunk(const uint8_t* w, const int32_t* xb, int64_t K4, int64_t k0, i
     for (int j = 0; j < 4; ++j) a[r][j] = k0 ? _mm512_loadu_si512(acc + r * BLOCK + 16 * j) : _mm512_setzero_si512();
   const uint8_t* base = w + k0 * NIBBLE_BYTES;
   int64_t next = tile;  // this tile prefetches every tiles-th word group of the stream ahead
-  int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) {
+  int8k::dot_tile<R, int8k::NIBBLES>([&](int64_t kg, __m512i (&v)[4]) {
     const uint8_t* p = base + kg * NIBBLE_BYTES;
     if (kg == next) {
       _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH), _MM_HINT_T1);
