@@ -47,7 +47,9 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     call (row quantization, residual rows, a VNNI GEMM that streams each weight byte from memory once
     for all rows, epilogue; csrc/int8_linear.cpp has the design note); more rows through the same
     kernel-side quantization and epilogue around `torch._int_mm` (oneDNN), which costs about twice as much
-    per row here, so prompts go in steps of MAX_ROWS tokens (model.py `step_rows`). Decode step, Qwen2.5-0.5B,
+    per row here, so prompts go in steps of MAX_ROWS tokens (model.py `step_rows`). On a CPU with AVX2 and FMA
+    but no AVX-512 the same kernels run as native.py's AVX2 build, whose own exact `int_mm` replaces oneDNN's
+    past MAX_ROWS rows (oneDNN has no VNNI path there); its prompts go in the scheduler's chunks. Decode step, Qwen2.5-0.5B,
     2 threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
     that time went). Past a few rows a step is bound by multiply-adds, not bytes: the machine does
     ~2.5-2.8e9 `vpdpbusd` a second (both vCPUs together, the kernels then on one thread), ~2.2 ms of them
@@ -56,7 +58,7 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     machine of 2026-11-30 a register-only loop does 8.4e9 a second per core: README, Benchmarks.)
     The prefill-chunk tuner in local.py measures what a step with prompt tokens costs and sizes
     chunks for its inter-token target.
-  * without it, up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM
+  * without them (no AVX2 build either: no FMA, no SIMDe headers), up to FBGEMM_MAX_ROWS rows: fbgemm's prepacked int8 GEMM
     (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`) with rows quantized here and handed
     over as integral floats (scale 1, zero point 128), which its own quantization leaves exact
     (fbgemm's dynamic-quant linear would quantize the whole batch with one scale, making a request's
