@@ -770,7 +770,7 @@ def avx2_build():
     if native.unavailable_reason(native.EMULATED_FLAGS) is not None or native.simde_include() is None:
         pytest.skip("the AVX2 build needs AVX2, FMA and SIMDe's headers (libsimde-dev)")
     try:
-        return native.build(native.SOURCES, "assistant_engine_native_avx2", native.EMULATED_CFLAGS)
+        return native.build(native.SOURCES, "assistant_engine_native_avx2", native.emulated_cflags())
     except Exception as exc:  # noqa: BLE001
         need(False, f"the native kernels' AVX2 build (build failed: {exc})", "install g++, ninja and libsimde-dev")
 

@@ -200,6 +200,13 @@ def simde_include() -> Path | None:
     return None
 
 
+def emulated_cflags() -> list[str]:
+    """The AVX2 build's flags, with SIMDe's include directory where the compiler would not look."""
+    include = simde_include()
+    return EMULATED_CFLAGS + ([] if include is None or str(include) in ("/usr/include", "/usr/local/include")
+                              else [f"-I{include}"])
+
+
 @functools.cache
 def int8_kernels() -> ModuleType | None:
     """The built extension, or None (then the reason is logged once)."""
@@ -209,9 +216,7 @@ def int8_kernels() -> ModuleType | None:
             if target() == "avx512":
                 module = build()
             else:
-                include = simde_include()
-                module = build(SOURCES, "assistant_engine_native_avx2",
-                               EMULATED_CFLAGS + ([] if str(include) in ("/usr/include", "/usr/local/include") else [f"-I{include}"]))
+                module = build(SOURCES, "assistant_engine_native_avx2", emulated_cflags())
             module.set_threads(_threads or torch_threads())
             return module
         except Exception as exc:  # noqa: BLE001 - no compiler / headers: the PyTorch-op path still works

@@ -44,6 +44,9 @@
 #include "int8_common.h"
 #include "native.h"
 #include "pool.h"
+#if !defined(__AVX512F__)
+#include "avx2_strips.h"
+#endif
 
 namespace {
 
@@ -323,51 +326,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor ws, c1
 
 #if !defined(__AVX512F__)
 // The AVX2 build's torch._int_mm(xq, W.T), exact, over `pack`'s layout: prompt chunks past MAX_ROWS (int8.py), where
-// oneDNN has no VNNI and takes a slow path. Each 16-output group of a block is AVX2's unit (64 bytes a word group),
-// its bytes flipped back to the signed weight (w + 128 xor 0x80), with the activation's sign against |x| as
-// int8_common.h's dot_tile does; tiles of 4 rows keep 8 accumulators in registers, the strip of a group in L1/L2.
+// oneDNN has no VNNI and takes a slow path. Each 16-output group of a block is a strip of avx2_strips.h (the GEMM
+// avx2_gemv.cpp runs over its own copy), its bytes flipped back to the signed weight (w + 128 xor 0x80).
 torch::Tensor int_mm(torch::Tensor xq, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == torch::kInt8, "int_mm: int8 (R, K) rows");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == BLOCK && packed.size(3) == 4 && packed.size(0) * BLOCK >= N,
               "int_mm: weights from pack");
-  const int64_t R = xq.size(0), K = xq.size(1), K4 = packed.size(1), strips = (N + 15) / 16;
-  TORCH_CHECK((K + 3) / 4 == K4, "int_mm: rows of ", K, " inputs for weights of ", 4 * K4);
-  auto words = torch::zeros({R, K4 * 4}, torch::kInt8);
-  words.narrow(1, 0, K).copy_(xq);
-  auto y = torch::empty({R, N}, torch::kInt32);
-  const int32_t* x = reinterpret_cast<const int32_t*>(words.data_ptr<int8_t>());
+  const int64_t K4 = packed.size(1);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  int32_t* out = y.data_ptr<int32_t>();
-  int8k::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int64_t s = s0; s < s1; ++s) {
-      const uint8_t* ws = w + (s / 4) * K4 * 256 + (s % 4) * 64;
-      const int64_t valid = std::min<int64_t>(16, N - s * 16);
-      for (int64_t r0 = 0; r0 < R; r0 += 4) {
-        const int rows = static_cast<int>(std::min<int64_t>(4, R - r0));
-        __m256i acc[4][2];
-        for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-        for (int64_t kg = 0; kg < K4; ++kg) {
-          const uint8_t* p = ws + kg * 256;
-          const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip);
-          const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), flip);
-          for (int r = 0; r < 4; ++r) {
-            if (r >= rows) break;
-            const __m256i xv = _mm256_set1_epi32(x[(r0 + r) * K4 + kg]), ax = _mm256_abs_epi8(xv);
-            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));
-            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones));
-          }
-        }
-        for (int r = 0; r < rows; ++r) {
-          alignas(32) int32_t tmp[16];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), acc[r][0]);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 8), acc[r][1]);
-          std::memcpy(out + (r0 + r) * N + s * 16, tmp, valid * sizeof(int32_t));
-        }
-      }
-    }
-  });
-  return y;
+  return int8k::strip_gemm(xq, N, K4, 256, true, [&](int64_t s) { return w + (s / 4) * K4 * 256 + (s % 4) * 64; });
 }
 #endif
 
