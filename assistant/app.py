@@ -251,9 +251,14 @@ def build_assistant(config: AssistantConfig, *, engine: Engine | None = None, st
     the speaker of spoken answers unless `prestage` replaces the pre-stage.
     Safety (assistant/safety, `[safety]` in the config): unless `safety.enabled` is false, the input guard
     is the configured policy's (an `input_guard` argument replaces it) and the output guard runs first
-    among the stream transformers, so what later ones (speech) see is already redacted."""
+    among the stream transformers, so what later ones (speech) see is already redacted.
+    A passed `engine` answers every turn unless `engine.large_model` names a model: "auto" adds the
+    prepared large model only to engines built here, so a fake's answers never depend on what is in
+    the models dir."""
     closers: list[Callable[[], None]] = []
     safety = None
+    if engine is not None and config.engine.large_model == AUTO:
+        config = replace(config, engine=replace(config.engine, large_model=""))
     config = with_large_model(config)
     try:
         if engine is None:

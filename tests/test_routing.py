@@ -175,6 +175,13 @@ def test_auto_large_model_is_the_packaged_one_only_when_it_is_prepared(tmp_path)
     remote = AssistantConfig.load(env={}, overrides={"models_dir": str(tmp_path / "m"),
                                                      "engine.remote_url": "http://127.0.0.1:9/v1"})
     assert with_large_model(remote).engine.large_model == ""
+    from assistant.app import build_assistant
+    from assistant.store import Store
+
+    fake = ScriptedEngine(["the fake's answer"])
+    with build_assistant(config, engine=fake, store=Store("sqlite://"), tools=[]) as assistant:
+        assert assistant.models.role("large") == ""  # a passed engine is not routed around to the prepared 1.5B
+        assert list(assistant.orchestrator.run_turn(None, "x" * 2000))[-1].text == "the fake's answer"
 
 
 class Closable(Large):
