@@ -87,8 +87,10 @@ class Pool {
     return b;
   }
 
+  // `chunks_per_thread`: more for long, even jobs (a prompt chunk's GEMM), so that a thread slowed by another
+  // process or left the last chunk does not leave the others waiting long; fewer costs less per job.
   template <class F>
-  void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, int chunks_per_thread = CHUNKS_PER_THREAD) {
     if (begin >= end) return;
     grain = std::max<int64_t>(grain, 1);
     const int64_t items = end - begin, most = (items + grain - 1) / grain;
@@ -98,7 +100,7 @@ class Pool {
     }
     std::lock_guard<std::mutex> job(busy_, std::adopt_lock);
     const int n = threads();  // fixed while busy_ is held (resize takes it)
-    const int64_t chunks = std::min<int64_t>(most, static_cast<int64_t>(n) * CHUNKS_PER_THREAD);
+    const int64_t chunks = std::min<int64_t>(most, static_cast<int64_t>(n) * chunks_per_thread);
     Job j{&f, &call<F>, begin, end, (items + chunks - 1) / chunks};
     job_ = j;
     error_ = nullptr;
@@ -195,8 +197,9 @@ inline Pool& pool() {
 }
 
 template <class F>
-inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  pool().parallel_for(begin, end, grain, f);
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f,
+                         int chunks_per_thread = Pool::CHUNKS_PER_THREAD) {
+  pool().parallel_for(begin, end, grain, f, chunks_per_thread);
 }
 
 }  // namespace int8k
