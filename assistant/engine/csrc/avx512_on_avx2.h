@@ -97,6 +97,8 @@ inline simde__m512 mask_loadu_ps(simde__m512 src, unsigned k, const void* p) {
 }
 inline simde__m512i maskz_loadu_epi32(unsigned k, const void* p) {
   const int* i = static_cast<const int*>(p);
+  if ((k & 0xFFFF) == 0xFFFF) return join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(i)),
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(i + 8)));
   return join(_mm256_maskload_epi32(i, lanes(k, false)), _mm256_maskload_epi32(i + 8, lanes(k, true)));
 }
 inline simde__m512i maskz_loadu_epi8(uint64_t k, const void* p) {
