@@ -44,6 +44,7 @@ WRITING = re.compile(
     r"limerick|songs?|lyrics|letter|speech|essay|note|message|jokes?|tale|toast|e-?mail|quote|verse|sonnet|rhyme|"
     r"slogan|tweet|post|dialogue|fable|riddle|bedtime)\b", re.I)
 
+LOADER_THREAD = "load-large-model"  # `preload`'s thread (assistant/server/app.py `exit_if_loading`)
 log = logging.getLogger(__name__)
 
 
@@ -170,7 +171,7 @@ class Router:
             elif done is not None:
                 done(engine, error)
 
-        thread = threading.Thread(target=load, name="load-large-model", daemon=True)
+        thread = threading.Thread(target=load, name=LOADER_THREAD, daemon=True)
         self._loading = True
         thread.start()
         return thread

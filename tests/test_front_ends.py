@@ -261,3 +261,47 @@ def test_the_terminal_chat_loads_the_large_model_in_the_background_only_for_a_pe
     assert calls == [] and "large model" not in err.getvalue()
     assert run_repl(assistant.config, assistant=assistant, stdin=Tty("hello\n"), stdout=io.StringIO(), stderr=err) == 0
     assert len(calls) == 1 and "(loading the large model in the background)" in err.getvalue()
+
+
+_STOP_WHILE_LOADING = """
+import sys, threading, time
+import torch
+from assistant.routing import LOADER_THREAD
+from assistant.server.app import exit_if_loading
+
+def load():  # the large model's background load: native calls that release and retake the GIL
+    while True:
+        torch.zeros(1 << 22).add_(1)
+
+threading.Thread(target=load, name=LOADER_THREAD, daemon=True).start()
+time.sleep(0.3)
+try:
+    if sys.argv[1] == "interrupt":
+        raise KeyboardInterrupt
+finally:
+    if sys.argv[2] == "guarded":
+        exit_if_loading()
+"""
+
+
+@pytest.mark.parametrize("how, status", [("stop", 0), ("interrupt", 130)])
+def test_stopping_the_server_while_the_large_model_loads_exits_cleanly(tmp_path, how, status):
+    """`assistant serve` stopped while the large model still loads: without `exit_if_loading` the interpreter's
+    shutdown aborts the process (SIGABRT, "terminate called without an active exception"); with it the
+    process ends with the status it was about to have."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    script = tmp_path / "stop.py"
+    script.write_text(_STOP_WHILE_LOADING)
+    run = lambda guard: subprocess.run([sys.executable, str(script), how, guard], cwd=REPO_ROOT, capture_output=True,
+                                       text=True, timeout=120)
+    if sys.version_info < (3, 14):  # later Pythons park such threads instead of ending them
+        unguarded = run("plain")
+        assert unguarded.returncode == -signal.SIGABRT, unguarded.stderr[-400:]  # the failure the guard exists for
+    guarded = run("guarded")
+    assert guarded.returncode == status, guarded.stderr[-400:]
+    assert "terminate called" not in guarded.stderr

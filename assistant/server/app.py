@@ -169,4 +169,39 @@ def register(subparsers: Any, add_common: Any) -> None:
     add_common(serve_parser)
     serve_parser.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     serve_parser.add_argument("--port", type=int, default=None, help="port (default 7860)")
-    serve_parser.set_defaults(func=lambda args, config: serve(config) or 0)
+    serve_parser.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: Any, config: AssistantConfig) -> int:
+    try:
+        serve(config)
+    finally:
+        exit_if_loading()
+    return 0
+
+
+def exit_if_loading() -> None:
+    """End the process now, with the exit status it was about to have, if the large model is still loading.
+
+    Why: stopped while the large model loads in the background (assistant/routing.py `preload`), the process
+    aborted ("terminate called without an active exception") after "Stopped.". Python 3.11-3.13 end a daemon
+    thread that reacquires the GIL during interpreter shutdown with pthread_exit, whose unwinding aborts when it
+    crosses a C++ frame (torch's gil_scoped_release, gdb backtrace). By now `serve` has closed the store, the
+    library and the engines, so nothing is lost by skipping the shutdown: logs and streams are flushed first."""
+    import logging
+    import os
+
+    from assistant.routing import LOADER_THREAD
+
+    if not any(t.name == LOADER_THREAD and t.is_alive() for t in threading.enumerate()):
+        return
+    error = sys.exc_info()[1]
+    if error is not None and not isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return  # a failure: its traceback matters more than a clean exit
+    code = 130 if isinstance(error, KeyboardInterrupt) else 0
+    if isinstance(error, SystemExit) and isinstance(error.code, int):
+        code = error.code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
