@@ -785,6 +785,27 @@ def test_avx2_build_int_mm_is_int_mm_bit_for_bit(avx2_build, n, k, r):
     assert torch.equal(avx2_build.int_mm(x, avx2_build.pack(w), n), (x.long() @ w.long().t()).int())
 
 
+@pytest.mark.parametrize("n,k,r,outliers", [(1000, 200, 40, 0), (1000, 200, 40, 4), (77, 896, 35, 0), (300, 4864, 33, 2)])
+def test_avx2_build_int_mm_finish_is_finish_of_int_mm(avx2_build, n, k, r, outliers):
+    """Prompt chunks on the AVX2 build apply the epilogue strip by strip: the same bits as `finish` over the whole
+    int32 product, with residual rows or outlier channels, a bias, and outputs not a multiple of 16."""
+    gen = torch.Generator().manual_seed(n + k + r + outliers)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    scale = weight.abs().amax(1) / 127
+    q8 = (weight / scale[:, None]).round().to(torch.int8)
+    packed, bias = avx2_build.pack(q8), torch.randn(n, generator=gen)
+    x = torch.randn(r, k, generator=gen)
+    x[3, 5] = 40.0  # an outlier channel
+    refine = torch.rand(r, generator=gen) < 0.5
+    for b in (None, bias):
+        q = avx2_build.quantize(x, refine, outliers)
+        extra = (q[2], q[3]) if outliers else (None, None)
+        want = avx2_build.finish(avx2_build.int_mm(q[0], packed, n), scale, q[1], refine, b,
+                                 packed if outliers else None, *extra)
+        got = avx2_build.int_mm_finish(q[0], packed, scale, q[1], refine, b, *extra)
+        assert torch.equal(got, want)
+
+
 def test_avx2_build_gives_the_avx512_builds_bits(ops, avx2_build):
     """Where both builds run (an AVX-512 CPU), every kernel gives the same bits: an AVX2 machine answers as an
     AVX-512 one does (the emulation is lane for lane the same IEEE operation, reductions in GCC's order)."""

@@ -48,7 +48,8 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     for all rows, epilogue; csrc/int8_linear.cpp has the design note); more rows through the same
     kernel-side quantization and epilogue around `torch._int_mm` (oneDNN), which costs about twice as much
     per row here, so prompts go in steps of MAX_ROWS tokens (model.py `step_rows`). On a CPU with AVX2 and FMA
-    but no AVX-512 the same kernels run as native.py's AVX2 build, whose own exact `int_mm` replaces oneDNN's
+    but no AVX-512 the same kernels run as native.py's AVX2 build, whose own exact `int_mm_finish` (GEMM and epilogue
+    strip by strip) replaces oneDNN's
     past MAX_ROWS rows (oneDNN has no VNNI path there); its prompts go in the scheduler's chunks. Decode step, Qwen2.5-0.5B,
     2 threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
     that time went). Past a few rows a step is bound by multiply-adds, not bytes: the machine does
@@ -231,11 +232,13 @@ class Linear:
         if x.size(0) + (0 if outliers else refined) <= self.native.MAX_ROWS:
             return self.native.linear(x, self.vnni, self.scale, self.bias, refine, outliers)
         q = self.native.quantize(x, refine, outliers)  # with outliers: their channels and values as q[2], q[3]
+        if hasattr(self.native, "int_mm_finish") and not int_mm_is_fast():
+            # the AVX2 build's own exact GEMM (oneDNN's `_int_mm` without VNNI takes a slow path), with the
+            # epilogue applied strip by strip
+            return self.native.int_mm_finish(q[0], self.vnni, self.scale, q[1], refine, self.bias,
+                                             *((q[2], q[3]) if outliers else (None, None)))
         extra = (self.vnni, q[2], q[3]) if outliers else (None, None, None)
-        # the AVX2 build has its own exact GEMM: oneDNN's `_int_mm` without VNNI takes a slow path
-        acc = (self.native.int_mm(q[0], self.vnni, self.weight.size(0)) if hasattr(self.native, "int_mm")
-               and not int_mm_is_fast() else torch._int_mm(q[0], self.weight.t()))
-        return self.native.finish(acc, self.scale, q[1], refine, self.bias, *extra)
+        return self.native.finish(torch._int_mm(q[0], self.weight.t()), self.scale, q[1], refine, self.bias, *extra)
 
     def prepare_greedy(self) -> None:
         """Pack the 4-bit screening copy for `greedy_logits` (native int8 only; +half the int8 bytes)."""

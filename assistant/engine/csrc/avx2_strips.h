@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "pool.h"
 
@@ -59,28 +60,40 @@ inline void strip_tile(const int32_t* x, const int32_t* xabs, int64_t K4, int ro
   }
 }
 
-template <class Base>
-torch::Tensor strip_gemm(torch::Tensor xq, int64_t N, int64_t K4, int64_t stride, bool flip, const Base& base) {
+// y = x . W^T strip by strip: `sink(s, acc)` takes strip s's accumulators, acc (R, 16) int32 (outputs past N are
+// those of zero weights), in a buffer of the calling thread's.
+template <class Base, class Sink>
+void strip_gemm_each(torch::Tensor xq, int64_t N, int64_t K4, int64_t stride, bool flip, const Base& base,
+                     const Sink& sink) {
   const int64_t R = xq.size(0), K = xq.size(1), strips = (N + 15) / 16;
   TORCH_CHECK((K + 3) / 4 == K4, "int8 GEMM: rows of ", K, " inputs for weights of ", 4 * K4);
   auto words = torch::zeros({R, K4 * 4}, torch::kInt8);  // the rows as 4-byte words, K padded with zeros
   words.narrow(1, 0, K).copy_(xq);
   auto magnitudes = words.abs();  // |x|, vpmaddubsw's unsigned side, read rather than recomputed per strip
-  auto y = torch::empty({R, N}, torch::kInt32);
   const int32_t* x = reinterpret_cast<const int32_t*>(words.data_ptr<int8_t>());
   const int32_t* xabs = reinterpret_cast<const int32_t*>(magnitudes.data_ptr<int8_t>());
-  int32_t* out = y.data_ptr<int32_t>();
   parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     const __m256i mask = _mm256_set1_epi8(static_cast<char>(flip ? 0x80 : 0));
+    std::vector<int32_t> acc(R * 16);
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t valid = std::min<int64_t>(16, N - s * 16);
       for (int64_t r0 = 0; r0 < R; r0 += STRIP_TILE) {
         const int rows = static_cast<int>(std::min<int64_t>(STRIP_TILE, R - r0));
-        strip_tile<STRIP_TILE>(x + r0 * K4, xabs + r0 * K4, K4, rows, base(s), stride, mask, out + r0 * N + s * 16, N,
-                               valid);
+        strip_tile<STRIP_TILE>(x + r0 * K4, xabs + r0 * K4, K4, rows, base(s), stride, mask, acc.data() + r0 * 16, 16, 16);
       }
+      sink(s, acc.data());
     }
   }, GEMM_CHUNKS_PER_THREAD);
+}
+
+// y int32 (R, N) = x . W^T
+template <class Base>
+torch::Tensor strip_gemm(torch::Tensor xq, int64_t N, int64_t K4, int64_t stride, bool flip, const Base& base) {
+  auto y = torch::empty({xq.size(0), N}, torch::kInt32);
+  int32_t* out = y.data_ptr<int32_t>();
+  strip_gemm_each(xq, N, K4, stride, flip, base, [&](int64_t s, const int32_t* acc) {
+    const int64_t valid = std::min<int64_t>(16, N - s * 16);
+    for (int64_t r = 0; r < xq.size(0); ++r) std::memcpy(out + r * N + s * 16, acc + r * 16, valid * sizeof(int32_t));
+  });
   return y;
 }
 

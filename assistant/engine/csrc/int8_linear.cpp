@@ -250,13 +250,10 @@ std::vector<torch::Tensor> quantize(torch::Tensor x, torch::Tensor refine, int64
   return {xq, scale, idx, val};
 }
 
-// acc int32 (n + residual rows, N) from torch._int_mm -> fp32 (n, N), the same epilogue as `linear`; rows with
-// outliers (`quantize`'s idx and val) add their sums, read from the packed weights like `linear` does.
-torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, torch::Tensor refine,
-                     c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> packed,
-                     c10::optional<torch::Tensor> outlier_idx, c10::optional<torch::Tensor> outlier_val) {
-  acc = acc.contiguous();
-  const int64_t n = xscale.size(0), N = acc.size(1), m = outlier_idx ? outlier_idx->size(1) : 0;
+// `finish`'s rows: `make_rows`, with each refined row's outlier channels from `quantize`'s idx and val.
+Rows finish_rows(const torch::Tensor& refine, int64_t n, const c10::optional<torch::Tensor>& outlier_idx,
+                 const c10::optional<torch::Tensor>& outlier_val, bool packed) {
+  const int64_t m = outlier_idx ? outlier_idx->size(1) : 0;
   TORCH_CHECK(!m || (packed && outlier_val), "finish: outlier rows need the packed weights and their values");
   Rows rows = make_rows(refine, n, m);
   for (int64_t i = 0; m && i < n; ++i) {
@@ -266,30 +263,49 @@ torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, 
       o.val[o.n] = outlier_val->data_ptr<float>()[i * m + o.n];
     }
   }
-  const uint8_t* pp = m ? packed->data_ptr<uint8_t>() : nullptr;
-  const int64_t K4 = m ? packed->size(1) : 0;
+  return rows;
+}
+
+// The epilogue of `finish` for one row's 16 outputs at `col` (a0: the row's accumulators there, a1: its residual
+// row's or null), written to out (n, N).
+struct Finish {
+  const Rows& rows;
+  const float *ws, *xscale, *bias;
+  const uint8_t* packed;  // for outlier rows
+  int64_t K4, N;
+  float* out;
+
+  void operator()(int64_t i, int64_t col, const int32_t* a0, const int32_t* a1) const {
+    const __mmask16 mk = tail_mask(N - col);
+    const int8k::Outliers* outl = rows.outliers && rows.outl[i].n ? &rows.outl[i] : nullptr;
+    const __m512i v0 = _mm512_maskz_loadu_epi32(mk, a0);
+    __m512i v1;
+    if (a1) v1 = _mm512_maskz_loadu_epi32(mk, a1);
+    const __m512 o = outl ? int8k::outlier_sums16(packed + (col / BLOCK) * K4 * 256, *outl, (col % BLOCK) / 16)
+                          : _mm512_setzero_ps();
+    const __m512 y = epilogue16(v0, a1 ? &v1 : nullptr, _mm512_maskz_loadu_ps(mk, ws + col), _mm512_set1_ps(xscale[i]),
+                                bias ? bias + col : nullptr, mk, outl ? &o : nullptr);
+    _mm512_mask_storeu_ps(out + i * N + col, mk, y);
+  }
+};
+
+// acc int32 (n + residual rows, N) from torch._int_mm -> fp32 (n, N), the same epilogue as `linear`; rows with
+// outliers (`quantize`'s idx and val) add their sums, read from the packed weights like `linear` does.
+torch::Tensor finish(torch::Tensor acc, torch::Tensor ws, torch::Tensor xscale, torch::Tensor refine,
+                     c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> packed,
+                     c10::optional<torch::Tensor> outlier_idx, c10::optional<torch::Tensor> outlier_val) {
+  acc = acc.contiguous();
+  const int64_t n = xscale.size(0), N = acc.size(1);
+  const Rows rows = finish_rows(refine, n, outlier_idx, outlier_val, packed.has_value());
   auto out = torch::empty({n, N}, ws.options());
+  const Finish epi{rows, ws.data_ptr<float>(), xscale.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                   rows.outliers ? packed->data_ptr<uint8_t>() : nullptr, rows.outliers ? packed->size(1) : 0, N,
+                   out.data_ptr<float>()};
   const int32_t* ap = acc.data_ptr<int32_t>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const float* wsp = ws.data_ptr<float>();
-  const float* xsp = xscale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   int8k::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const __m512 s = _mm512_set1_ps(xsp[i]);
-      const int8k::Outliers* outl = m && rows.outl[i].n ? &rows.outl[i] : nullptr;
-      for (int64_t col = 0; col < N; col += 16) {
-        const __mmask16 mk = tail_mask(N - col);
-        const __m512i a0 = _mm512_maskz_loadu_epi32(mk, ap + i * N + col);
-        __m512i a1v;
-        if (rows.res[i] >= 0) a1v = _mm512_maskz_loadu_epi32(mk, ap + rows.res[i] * N + col);
-        const __m512 o = outl ? int8k::outlier_sums16(pp + (col / BLOCK) * K4 * 256, *outl, (col % BLOCK) / 16)
-                              : _mm512_setzero_ps();
-        const __m512 y = epilogue16(a0, rows.res[i] >= 0 ? &a1v : nullptr, _mm512_maskz_loadu_ps(mk, wsp + col), s,
-                                    bp ? bp + col : nullptr, mk, outl ? &o : nullptr);
-        _mm512_mask_storeu_ps(op + i * N + col, mk, y);
-      }
-    }
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t col = 0; col < N; col += 16)
+        epi(i, col, ap + i * N + col, rows.res[i] >= 0 ? ap + rows.res[i] * N + col : nullptr);
   });
   return out;
 }
@@ -336,6 +352,29 @@ torch::Tensor int_mm(torch::Tensor xq, torch::Tensor packed, int64_t N) {
   const uint8_t* w = packed.data_ptr<uint8_t>();
   return int8k::strip_gemm(xq, N, K4, 256, true, [&](int64_t s) { return w + (s / 4) * K4 * 256 + (s % 4) * 64; });
 }
+
+// finish(int_mm(xq, packed, N), ...) in one pass: each strip's accumulators (every GEMM row, 16 outputs) go through
+// the epilogue while they are in cache, instead of through an (n + residual rows, N) int32 tensor. The same bits.
+torch::Tensor int_mm_finish(torch::Tensor xq, torch::Tensor packed, torch::Tensor ws, torch::Tensor xscale,
+                            torch::Tensor refine, c10::optional<torch::Tensor> bias,
+                            c10::optional<torch::Tensor> outlier_idx, c10::optional<torch::Tensor> outlier_val) {
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == torch::kInt8, "int_mm_finish: int8 (R, K) rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == BLOCK && packed.size(3) == 4, "int_mm_finish: weights from pack");
+  const int64_t n = xscale.size(0), N = ws.size(0), K4 = packed.size(1);
+  TORCH_CHECK(packed.size(0) * BLOCK >= N, "int_mm_finish: ", N, " outputs for ", packed.size(0) * BLOCK, " packed");
+  const Rows rows = finish_rows(refine, n, outlier_idx, outlier_val, true);
+  TORCH_CHECK(xq.size(0) == rows.total, "int_mm_finish: ", xq.size(0), " GEMM rows for ", rows.total);
+  auto out = torch::empty({n, N}, ws.options());
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const Finish epi{rows, ws.data_ptr<float>(), xscale.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, w,
+                   K4, N, out.data_ptr<float>()};
+  int8k::strip_gemm_each(xq, N, K4, 256, true, [&](int64_t s) { return w + (s / 4) * K4 * 256 + (s % 4) * 64; },
+                         [&](int64_t s, const int32_t* acc) {  // acc: (rows.total, 16)
+                           for (int64_t i = 0; i < n; ++i)
+                             epi(i, s * 16, acc + i * 16, rows.res[i] >= 0 ? acc + rows.res[i] * 16 : nullptr);
+                         });
+  return out;
+}
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -355,6 +394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
 #if !defined(__AVX512F__)
   m.def("int_mm", &int_mm, nogil, "torch._int_mm(xq, W.T) over pack(W), exact (the AVX2 build)");
+  m.def("int_mm_finish", &int_mm_finish, nogil, "finish(int_mm(...), ...) in one pass (the AVX2 build)");
 #endif
   m.def("set_threads", [](int n) { int8k::pool().resize(n); }, nogil,
         "threads the kernels split their work over, the caller included (1: only the caller)");
