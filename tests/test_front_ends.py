@@ -297,8 +297,11 @@ def test_stopping_the_server_while_the_large_model_loads_exits_cleanly(tmp_path,
 
     script = tmp_path / "stop.py"
     script.write_text(_STOP_WHILE_LOADING)
-    run = lambda guard: subprocess.run([sys.executable, str(script), how, guard], cwd=REPO_ROOT, capture_output=True,
-                                       text=True, timeout=120)
+
+    def run(guard: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), how, guard], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=120)
+
     if sys.version_info < (3, 14):  # later Pythons park such threads instead of ending them
         unguarded = run("plain")
         assert unguarded.returncode == -signal.SIGABRT, unguarded.stderr[-400:]  # the failure the guard exists for

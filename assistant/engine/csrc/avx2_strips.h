@@ -19,12 +19,12 @@ namespace int8k {
 // Strips are claimed in chunks of a few: with the pool's usual 4 chunks per thread, 7% of a prompt's time was
 // one thread waiting for the other's last chunk (py-spy, 2 cores).
 constexpr int GEMM_CHUNKS_PER_THREAD = 32;
-constexpr int STRIP_TILE = 3;  // rows per tile: 6 accumulators + 2 weight registers. GMAC/s measured 3: 131, 5: 126, 2: 124, 4: 120, 6: 114
+constexpr int STRIP_TILE = 3;  // rows per tile: 6 accumulators + 2 weight registers. Measured
+// standalone (512 x 896 @ 896 x 9728, 2 threads), GMAC/s by tile rows: 3: 131, 5: 126, 2: 124, 4: 120, 6: 114
 
 // One tile: `rows` (<= T) rows of x against one strip, written to out (row stride N, `valid` outputs). Full tiles
 // (rows == T) run the unrolled loop; the last, shorter tile of a GEMM a loop the compiler cannot unroll. The
-// accumulators are the function's own, so that they live in registers (through a reference they were spilled:
-// 95 against 125 GMAC/s).
+// accumulators are the function's own, not the caller's through a reference, so they can stay in registers.
 template <int T>
 inline void strip_tile(const int32_t* x, const int32_t* xabs, int64_t K4, int rows, const uint8_t* ws, int64_t stride,
                        __m256i mask, int32_t* out, int64_t N, int64_t valid) {
