@@ -50,7 +50,8 @@ Kernels, all computing exactly that arithmetic, so a row's output never depends 
     per row here, so prompts go in steps of MAX_ROWS tokens (model.py `step_rows`). On a CPU with AVX2 and FMA
     but no AVX-512 the same kernels run as native.py's AVX2 build: past MAX_ROWS rows its own exact
     `int_mm_finish` (the GEMM and the epilogue, strip by strip) replaces oneDNN's, which has no VNNI path
-    there, and its prompts go in the scheduler's chunks. Decode step, Qwen2.5-0.5B, 2 threads, same run: 47 ms against 68-90 ms through the PyTorch ops below (native.py says where
+    there, and its prompts go in the scheduler's chunks. Decode step, Qwen2.5-0.5B, 2 threads, same run:
+    47 ms against 68-90 ms through the PyTorch ops below (native.py says where
     that time went). Past a few rows a step is bound by multiply-adds, not bytes: the machine does
     ~2.5-2.8e9 `vpdpbusd` a second (both vCPUs together, the kernels then on one thread), ~2.2 ms of them
     per GEMM row of this model, so 8 rows refined on every linear (16 GEMM rows) could not cost less than
