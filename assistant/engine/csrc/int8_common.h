@@ -138,7 +138,22 @@ inline __m512 exp16(__m512 x) {
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
   __m512 p = _mm512_set1_ps(1.f / 5040.f);
   for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+#if defined(__AVX512F__)
   return _mm512_scalef_ps(p, n);
+#else
+  // SIMDe emulates vscalefps lane by lane through exp2f (a tenth of an 8-row step went there). n is a whole number
+  // in [-126, 128] (x is clamped), p is near 1, so p * 2^n is two products by normal powers of two, 2^floor(n / 2)
+  // and 2^(n - floor(n / 2)), both exact: the same value vscalefps gives.
+  auto scale = [](__m256 p, __m256 n) {
+    const __m256i ni = _mm256_cvtps_epi32(n), a = _mm256_srai_epi32(ni, 1), b = _mm256_sub_epi32(ni, a);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 pa = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(a, bias), 23));
+    const __m256 pb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, pa), pb);
+  };
+  const avx2c::F2 ps = avx2c::split(p), ns = avx2c::split(n);
+  return avx2c::join(scale(ps.lo, ns.lo), scale(ps.hi, ns.hi));
+#endif
 }
 
 // acc[r][j] += w_j . x_r over the words kg in [0, n) of R <= TILE_ROWS rows: `load(kg, w)` gives the kg-th four
@@ -163,49 +178,35 @@ inline void dot_tile(const Load& load, const int32_t* x, int64_t xs, int64_t n, 
 }
 
 #else
-// AVX2 (avx512_on_avx2.h): the same int32 sums without vpdpbusd, whose emulation widens every byte. vpmaddubsw
+// AVX2 (avx512_on_avx2.h): the same int32 sums without vpdpbusd, whose emulation widens every byte, and with
+// accumulators in ymm registers of the tile's own (kept as emulated __m512i, GCC spilled them and stored each twice
+// per multiply-add: an 8-row step's linears 59.9 -> 44.5 ms, its 16-row ones 116 -> 84 in one A/B). vpmaddubsw
 // multiplies unsigned by signed bytes into int16 pair sums with saturation, so each kind of weight byte gets a form
 // whose pair sums stay below 32,767 (activations are in [-127, 127]): BIASED, the signed weight (w + 128 xor 0x80)
 // with the activation's sign (vpsignb) against |x|: 2 * 127 * 127; NIBBLES, a low nibble as it is, a high one
-// shifted down and its pair sums widened with 16 instead of 1: 2 * 15 * 127. BIASED then adds 128 * sum(x) once
-// per row, so every accumulator holds vpdpbusd's exact value.
-inline int64_t byte_sum(const int32_t* x, int64_t n) {  // the signed bytes of n words
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), zero = _mm256_setzero_si256();
-  __m256i s = zero;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    s = _mm256_add_epi64(s, _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), flip), zero));
-  int64_t t = _mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1) + _mm256_extract_epi64(s, 2) + _mm256_extract_epi64(s, 3) - 128 * 4 * i;
-  for (; i < n; ++i)
-    for (int b = 0; b < 4; ++b) t += static_cast<int8_t>(static_cast<uint32_t>(x[i]) >> (8 * b));
-  return t;
-}
-
+// shifted down and its pair sums widened with 16 instead of 1: 2 * 15 * 127. BIASED sums are w . x; a caller that
+// wants vpdpbusd's (w + 128) . x starts the accumulators from 128 sum(x) (`init`).
+//
+// acc[r * acc_stride + o] (o < 64) for rows r < R: started from init[r] in every lane (init given) or read from acc,
+// and written back after words [0, n). `load(kg, w)` gives the kg-th 8 vectors of 64 outputs x 4 inputs as unsigned
+// bytes (BIASED: w + 128; NIBBLES: vectors 0-1 and 4-5 low nibbles, 2-3 and 6-7 high ones 16x, as the AVX-512 path).
 template <int R, int KIND = BIASED, class Load>
-inline void dot_tile(const Load& load, const int32_t* x, int64_t xs, int64_t n, __m512i (&acc)[R][4]) {
-  static_assert(R >= 1 && R <= TILE_ROWS, "dot_tile: at most TILE_ROWS rows");
+inline void dot_tile_ymm(const Load& load, const int32_t* x, int64_t xs, int64_t n, int32_t* acc, int64_t acc_stride,
+                         const int32_t* init) {
+  static_assert(R >= 1 && R <= TILE_ROWS, "dot_tile_ymm: at most TILE_ROWS rows");
   const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  // All four groups of 16 outputs per word group, as the AVX-512 loop: 8R accumulators spill past one row, but one
-  // pass over the weights was 2.4x faster at one row than a pass per group (decode step 34.9 vs 84-87 ms, 0.5B).
   __m256i a[R][8];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) {
-      const avx2c::I2 h = avx2c::split(acc[r][j]);
-      a[r][2 * j] = h.lo, a[r][2 * j + 1] = h.hi;
-    }
+    for (int h = 0; h < 8; ++h)
+      a[r][h] = init ? _mm256_set1_epi32(init[r])
+                     : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * acc_stride + 8 * h));
   for (int64_t kg = 0; kg < n; ++kg) {
-    __m512i wv[4];
-    load(kg, wv);
     __m256i w[8];
-    for (int j = 0; j < 4; ++j) {
-      const avx2c::I2 h = avx2c::split(wv[j]);
-      w[2 * j] = h.lo, w[2 * j + 1] = h.hi;
-      if constexpr (KIND == BIASED) {
-        w[2 * j] = _mm256_xor_si256(w[2 * j], flip), w[2 * j + 1] = _mm256_xor_si256(w[2 * j + 1], flip);
-      } else if (j & 1) {  // 16 n in a byte whose low nibble is 0: a 16-bit shift leaves n in each byte
-        w[2 * j] = _mm256_srli_epi16(w[2 * j], 4), w[2 * j + 1] = _mm256_srli_epi16(w[2 * j + 1], 4);
-      }
+    load(kg, w);
+    for (int h = 0; h < 8; ++h) {
+      if constexpr (KIND == BIASED) w[h] = _mm256_xor_si256(w[h], flip);
+      else if ((h / 2) & 1) w[h] = _mm256_srli_epi16(w[h], 4);  // 16 n in a byte whose low nibble is 0: n
     }
     for (int r = 0; r < R; ++r) {
       const __m256i xv = _mm256_set1_epi32(x[r * xs + kg]);
@@ -219,10 +220,8 @@ inline void dot_tile(const Load& load, const int32_t* x, int64_t xs, int64_t n, 
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m256i c = _mm256_set1_epi32(KIND == BIASED ? static_cast<int32_t>(128 * byte_sum(x + r * xs, n)) : 0);
-    for (int j = 0; j < 4; ++j) acc[r][j] = avx2c::join(_mm256_add_epi32(a[r][2 * j], c), _mm256_add_epi32(a[r][2 * j + 1], c));
-  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 8; ++h) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * acc_stride + 8 * h), a[r][h]);
 }
 #endif
 

@@ -62,14 +62,17 @@ constexpr int64_t QUANTIZE_GRAIN = 4;  // rows per thread when a step's rows are
 constexpr int64_t CHUNK = 32;       // K words per chunk when a block takes several tiles: 8 KB of weights
 
 // Rows r0 .. r0 + R over K words [k0, k0 + n) of one block (w: the block's packed bytes): accumulators read
-// from and written back to acc (zeroed when k0 == 0). Every word group's load prefetches the one PREFETCH bytes
-// ahead, whichever tile of a chunk it is: a later tile's prefetches repeat the first one's (see the design note).
+// from and written back to acc (when k0 == 0: zeroed, or on the AVX2 build started from the rows' corr, so that
+// they end as the same (w + 128) . q). Every word group's load prefetches the one PREFETCH bytes ahead, whichever
+// tile of a chunk it is: a later tile's prefetches repeat the first one's (see the design note).
 template <int R>
-void tile_chunk(const uint8_t* w, const int32_t* x, int64_t K4, int64_t k0, int64_t n, int32_t (*acc)[BLOCK]) {
+void tile_chunk(const uint8_t* w, const int32_t* x, int64_t K4, int64_t k0, int64_t n, const int32_t* corr,
+                int32_t (*acc)[BLOCK]) {
+  const uint8_t* base = w + k0 * 256;
+#if defined(__AVX512F__)
   __m512i a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = k0 ? _mm512_load_si512(acc[r] + 16 * j) : _mm512_setzero_si512();
-  const uint8_t* base = w + k0 * 256;
   int8k::dot_tile<R>([&](int64_t kg, __m512i (&v)[4]) {
     const uint8_t* p = base + kg * 256;
     for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
@@ -77,6 +80,13 @@ void tile_chunk(const uint8_t* w, const int32_t* x, int64_t K4, int64_t k0, int6
   }, x + k0, K4, n, a);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_store_si512(acc[r] + 16 * j, a[r][j]);
+#else
+  int8k::dot_tile_ymm<R>([&](int64_t kg, __m256i (&v)[8]) {
+    const uint8_t* p = base + kg * 256;
+    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64 * j), _MM_HINT_T1);
+    for (int h = 0; h < 8; ++h) v[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+  }, x + k0, K4, n, acc[0], BLOCK, k0 ? nullptr : corr);
+#endif
 }
 
 struct Rows {
@@ -98,7 +108,7 @@ void run_blocks(const Rows& rows, const uint8_t* packed, const int32_t* xb, int6
     for (int64_t k0 = 0; k0 < K4; k0 += chunk) {
       const int64_t n = std::min(chunk, K4 - k0);
       int8k::for_each_tile(rows.total, [&](int64_t r0, int64_t R) {
-        int8k::dispatch_rows(R, [&]<int T>() { tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, acc + r0); });
+        int8k::dispatch_rows(R, [&]<int T>() { tile_chunk<T>(wb, xb + r0 * K4, K4, k0, n, corr + r0, acc + r0); });
       });
     }
     for (int64_t i = 0; i < rows.n; ++i) {

@@ -45,6 +45,42 @@ inline __m512 sum16(__m512 (&a)[16]) {
   return a[0];
 }
 
+#if !defined(__AVX512F__)
+// The AVX2 build: lane c of ((v_c0 + v_c1) + (v_c2 + v_c3)) + ((v_c4 + v_c5) + (v_c6 + v_c7)) for 8 vectors, which is
+// sum16's tree over the lanes of one half of each of its vectors (emulated, vpermt2ps goes lane by lane). The adds
+// are the same IEEE adds of the same values, so the sums are sum16's to the bit.
+inline __m256 tree8(const __m256 (&v)[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// One head's scores against 16 keys, as the AVX-512 loop below computes them: per key, lanes l and l + 8 of each
+// 16-float vector of the head in ymm halves (the same multiply and fused multiply-adds per lane), then sum16's tree.
+template <class E>
+inline __m512 scores16(const float* qj, const E* const (&keys)[16], int64_t nv) {
+  __m256 half[2];
+  for (int g = 0; g < 2; ++g) {
+    __m256 lo[8], hi[8];
+    for (int c = 0; c < 8; ++c) {
+      const E* k = keys[8 * g + c];
+      lo[c] = _mm256_mul_ps(_mm256_loadu_ps(qj), load8(k));
+      hi[c] = _mm256_mul_ps(_mm256_loadu_ps(qj + 8), load8(k + 8));
+      for (int64_t v = 1; v < nv; ++v) {
+        lo[c] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 16 * v), load8(k + 16 * v), lo[c]);
+        hi[c] = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 16 * v + 8), load8(k + 16 * v + 8), hi[c]);
+      }
+    }
+    half[g] = _mm256_add_ps(tree8(lo), tree8(hi));
+  }
+  return avx2c::join(half[0], half[1]);
+}
+#endif
+
 constexpr int64_t SEGMENT = 128;  // keys per work item of `attend` (a multiple of 16)
 
 // o_j = sum_c p_j[c] v_c over `count` keys for n <= J query heads (p_j at p + j * stride) in one pass over the
@@ -85,6 +121,40 @@ void weigh_heads(int64_t n, const float* p, int64_t stride, int64_t count, const
       for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + j * 16 * V + 16 * v, o[j][v]);
   }
 }
+
+#if !defined(__AVX512F__)
+// weigh_heads on the AVX2 build: the emulated 16-float accumulators went through general registers (SIMDe), a third
+// of an 8-row step's attention. Here one head at a time, in passes of up to 64 of its floats (W8 ymm accumulators),
+// each accumulator the same chain of fused multiply-adds over the keys in order as its lanes above: the same bits.
+template <int W8, class E>
+void weigh_columns(const float* pj, int64_t count, const E* vp, const int64_t* ctx_slots, int64_t KVH, int64_t g,
+                   int64_t hd, int64_t col, float* out) {
+  __m256 o[W8];
+  for (int h = 0; h < W8; ++h) o[h] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < count; ++c) {
+    const E* val = vp + (ctx_slots[c] * KVH + g) * hd + col;
+    const __m256 pc = _mm256_set1_ps(pj[c]);
+    for (int h = 0; h < W8; ++h) o[h] = _mm256_fmadd_ps(pc, load8(val + 8 * h), o[h]);
+  }
+  for (int h = 0; h < W8; ++h) _mm256_storeu_ps(out + col + 8 * h, o[h]);
+}
+
+template <class E>
+void weigh_heads_ymm(int64_t n, const float* p, int64_t stride, int64_t count, const E* vp, const int64_t* ctx_slots,
+                     int64_t KVH, int64_t g, int64_t hd, float* out) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t col = 0; col < hd; col += 64) {
+      const float* pj = p + j * stride;
+      float* oj = out + j * hd;
+      switch (std::min<int64_t>(64, hd - col) / 16) {  // hd is a multiple of 16
+        case 1: weigh_columns<2>(pj, count, vp, ctx_slots, KVH, g, hd, col, oj); break;
+        case 2: weigh_columns<4>(pj, count, vp, ctx_slots, KVH, g, hd, col, oj); break;
+        case 3: weigh_columns<6>(pj, count, vp, ctx_slots, KVH, g, hd, col, oj); break;
+        default: weigh_columns<8>(pj, count, vp, ctx_slots, KVH, g, hd, col, oj); break;
+      }
+    }
+}
+#endif
 
 // Where one work item of `attend` leaves its partial results: per (query row of its sequence, head), the segment's
 // largest score m, l = sum_c exp(score_c - m), and o = sum_c exp(score_c - m) v_c (hd floats, not normalized).
@@ -150,6 +220,7 @@ void attend_segment(const float* q, int64_t rows, const int64_t* vis, int64_t H,
         for (int64_t j = g * G; j < (g + 1) * G; ++j) {
           ahead.issue();
           const float* qj = q + (r * H + j) * hd;
+#if defined(__AVX512F__)
           __m512 acc[16];  // a fixed trip count with no early exit, so the 16 sums stay in registers
 #pragma GCC unroll 16
           for (int c = 0; c < 16; ++c) {
@@ -157,7 +228,11 @@ void attend_segment(const float* q, int64_t rows, const int64_t* vis, int64_t H,
             for (int64_t v = 1; v < nv; ++v) s = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * v), load16(keys[c] + 16 * v), s);
             acc[c] = s;
           }
-          _mm512_mask_storeu_ps(p.data() + (r * H + j) * SEGMENT + (c0 - s0), int8k::tail_mask(rk), sum16(acc));
+          const __m512 scores = sum16(acc);
+#else
+          const __m512 scores = scores16(qj, keys, nv);
+#endif
+          _mm512_mask_storeu_ps(p.data() + (r * H + j) * SEGMENT + (c0 - s0), int8k::tail_mask(rk), scores);
         }
       }
     }
@@ -184,11 +259,17 @@ void attend_segment(const float* q, int64_t rows, const int64_t* vis, int64_t H,
       out.m[r * H + j] = top;
       out.l[r * H + j] = _mm512_reduce_add_ps(total);
     }
+#if defined(__AVX512F__)
     constexpr int J = V ? 16 / V : 1;
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t j0 = g * G; j0 < (g + 1) * G; j0 += J)
         weigh_heads<V, J>(std::min<int64_t>(J, (g + 1) * G - j0), p.data() + (r * H + j0) * SEGMENT, SEGMENT, count, vp,
                           ctx_slots + s0, KVH, g, hd, out.o + (r * H + j0) * hd);
+#else
+    for (int64_t g = g0; g < g1; ++g)
+      weigh_heads_ymm(G, p.data() + (r * H + g * G) * SEGMENT, SEGMENT, count, vp, ctx_slots + s0, KVH, g, hd,
+                      out.o + (r * H + g * G) * hd);
+#endif
   }
 }
 

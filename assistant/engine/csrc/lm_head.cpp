@@ -66,25 +66,42 @@ struct Screen {  // the per-output data of the 4-bit copy
 template <int R>
 void screen_chunk(const uint8_t* w, const int32_t* xb, int64_t K4, int64_t k0, int64_t n, int tile, int tiles,
                   int32_t* acc) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i a[R][4];  // local, so the accumulators stay in registers through the loop
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = k0 ? _mm512_loadu_si512(acc + r * BLOCK + 16 * j) : _mm512_setzero_si512();
   const uint8_t* base = w + k0 * NIBBLE_BYTES;
   int64_t next = tile;  // this tile prefetches every tiles-th word group of the stream ahead
-  int8k::dot_tile<R, int8k::NIBBLES>([&](int64_t kg, __m512i (&v)[4]) {
-    const uint8_t* p = base + kg * NIBBLE_BYTES;
+  auto prefetch = [&](int64_t kg, const uint8_t* p) {
     if (kg == next) {
       _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH + 64), _MM_HINT_T1);
       next += tiles;
     }
+  };
+#if defined(__AVX512F__)
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i a[R][4];  // local, so the accumulators stay in registers through the loop
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = k0 ? _mm512_loadu_si512(acc + r * BLOCK + 16 * j) : _mm512_setzero_si512();
+  int8k::dot_tile<R, int8k::NIBBLES>([&](int64_t kg, __m512i (&v)[4]) {
+    const uint8_t* p = base + kg * NIBBLE_BYTES;
+    prefetch(kg, p);
     const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
     v[0] = _mm512_and_si512(v0, low), v[1] = _mm512_andnot_si512(low, v0);  // the high nibbles stay 16x
     v[2] = _mm512_and_si512(v1, low), v[3] = _mm512_andnot_si512(low, v1);
   }, xb + k0, K4, n, a);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_si512(acc + r * BLOCK + 16 * j, a[r][j]);
+#else
+  static constexpr int32_t zeros[int8k::TILE_ROWS] = {};
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  int8k::dot_tile_ymm<R, int8k::NIBBLES>([&](int64_t kg, __m256i (&v)[8]) {
+    const uint8_t* p = base + kg * NIBBLE_BYTES;
+    prefetch(kg, p);
+    for (int half = 0; half < 2; ++half)  // the same vectors as above, each zmm as two ymm
+      for (int i = 0; i < 2; ++i) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32 * i));
+        v[4 * half + i] = _mm256_and_si256(b, low), v[4 * half + 2 + i] = _mm256_andnot_si256(low, b);
+      }
+  }, xb + k0, K4, n, acc, BLOCK, k0 ? nullptr : zeros);
+#endif
 }
 
 // One row's candidates so far (of one chunk of the vocabulary, or merged): token ids with their estimates
@@ -140,6 +157,7 @@ void estimate(const Screen& sc, const int32_t* acc, const float* sum_q, const fl
 
 // Exact (w + 128) . q - 128 sum(q) = w . q for one row-major int8 weight row (q: signed, zero-padded to 64).
 inline int32_t dot_row(const int8_t* w, const int8_t* q, int64_t K, int32_t corr) {
+#if defined(__AVX512F__)
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i acc = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += 64) {
@@ -147,6 +165,22 @@ inline int32_t dot_row(const int8_t* w, const int8_t* q, int64_t K, int32_t corr
     acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + k), flip), _mm512_maskz_loadu_epi8(m, q + k));
   }
   return _mm512_reduce_add_epi32(acc) - corr;
+#else  // w . q directly, |q| against w with q's sign (int8_common.h dot_tile_ymm says why it is exact)
+  (void)corr;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(qv), _mm256_sign_epi8(wv, qv)), ones));
+  }
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+  const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  int32_t t = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+  for (; k < K; ++k) t += static_cast<int32_t>(w[k]) * q[k];
+  return t;
+#endif
 }
 
 }  // namespace
