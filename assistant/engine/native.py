@@ -112,6 +112,23 @@ has no VNNI there. 2 Zen 3 cores, 0.5B, against the PyTorch-op path this replace
 at 300 tokens of context 102 -> 35-42 ms at 1 row, 259 -> 134-153 ms at 8; through the engine, decode
 18.4-20.2 -> 23.2-27.0 tok/s (1.5B: 5.65-5.9 -> 8.2-10.0), the same tokens. Tried and dropped: one group of 16 outputs per pass in
 `dot_tile` (2R accumulators instead of 8R, no spills) took the 1-row step from 35-42 to 84-87 ms.
+Steps of several rows (2026-12-01, later): perf showed SIMDe's code, not the arithmetic, in their hot loops. The
+tiles' accumulators, kept as emulated __m512i, were spilled and stored twice per multiply-add; vpermt2ps (the
+attention scores' merge tree) ran lane by lane; vscalefps (exp's 2^n) called exp2f per lane; the value sums' FMAs
+went through general registers. Each now has an AVX2 body on ymm registers of its own (int8_common.h
+`dot_tile_ymm` for the linears and the head's screen, the head's exact candidate dots, layer_ops.cpp `scores16`
+and `weigh_heads_ymm`, exp16's two exact power-of-two products), the same IEEE operations on the same values:
+149 kernel outputs compared with the previous AVX2 build were the same to the bit (linears at 1-31 rows, the
+head at 1-16, attention over fp32 and bf16 caches up to 1,000 keys, SwiGLU; a build of the previous sources, one process), except SwiGLU
+at gates below -88.4, where the emulation's 2^128 overflowed to inf and now is vscalefps's finite value. The
+linears alone, 24 layers of the 0.5B's shapes, alternating builds in one process: 8 rows 59.9 -> 44.5 ms, 16 rows
+116 -> 84. The model's step (300 tokens of context): 8 rows 123-133 -> 86-94 ms, 16 rows 222-245 -> 166-184;
+through the engine (bench/engine.py's decode-only phase, two pairs of alternating runs): 8 streams 65.8-74.0 ->
+102.8-103.2 tok/s aggregate, one stream 25.6-26.9 -> 32.4-32.6.
+Standalone, a register-tile GEMM that owns its accumulators reaches ~90-100 GMAC/s on 2 Zen 3 cores at 8-16 rows
+(its 8-row pass over the 0.5B's linears 31-34 ms against ~20 ms for one row's bytes), so the linears' 8-row
+share is near what these cores multiply; strips of 16 outputs with 3-row tiles (avx2_strips.h's shape) were no
+faster there and slower at 2-4 rows in the product.
 Without AVX2 and FMA, SIMDe's headers, a compiler, or with ASSISTANT_NATIVE=0, the engine uses the
 PyTorch-op path instead (int8.py, model.py) and says why once. On that path, a CPU with AVX2 gets one kernel,
 `avx2_kernels` (csrc/avx2_gemv.cpp: the linears' exact int8 GEMM, its own design note; int8.py has the
