@@ -7,6 +7,8 @@ bit: a row's output is the same alone or batched, through the small-step kernel 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -447,6 +449,17 @@ def test_native_swiglu_matches_silu_times_up(ops):
     gate, up = gate_up.chunk(2, dim=-1)
     want = (torch.nn.functional.silu(gate.double()) * up.double())
     assert torch.allclose(ops.swiglu(gate_up).double(), want, rtol=1e-6, atol=1e-30)
+
+
+def test_native_exp_scales_by_two_to_the_128th_without_overflow(ops):
+    """exp16 clamps its input at 88.7 and scales its polynomial by 2^n, n up to 128 there: vscalefps gives a finite
+    p * 2^128 (p < 1). The AVX2 build's emulation of it once computed 2^128 alone, overflowed to inf, and gave
+    silu(-100) = -0 where the AVX-512 build gives -100 / (1 + e^88.7)."""
+    out = float(ops.swiglu(torch.tensor([[-100.0, -88.5, 1.0, 1.0]]))[0, 0])
+    want = -100.0 / (1.0 + math.exp(88.7))
+    assert out < 0 and abs(out - want) <= 1e-5 * abs(want)
+    edge = float(ops.swiglu(torch.tensor([[-88.5, 1.0]]))[0, 0])  # n = 128 without the clamp: e^88.5
+    assert edge < 0 and abs(edge + 88.5 / (1.0 + math.exp(88.5))) <= 1e-5 * 88.5 / (1.0 + math.exp(88.5))
 
 
 def test_exact_int_mm_is_int_mm_bit_for_bit_past_the_fp32_integer_range():
