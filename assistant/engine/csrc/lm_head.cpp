@@ -118,6 +118,48 @@ struct Found {
 // that floor appended to found[r] (a few per row once the floor has risen past the first block).
 template <int R>
 void estimate(const Screen& sc, const int32_t* acc, const float* sum_q, const float* zq, Found* found, int64_t b) {
+#if !defined(__AVX512F__)
+  // The AVX2 build: the same IEEE operations, 8 outputs at a time (SIMDe's emulated masked loads and compress-stores
+  // made this ~5% of an 8-row step); the kept outputs are appended in ascending order, as the compress-store does.
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int r = 0; r < R; ++r) {
+    __m256 est[8], lo_r = _mm256_set1_ps(-INFINITY);
+    __m256i ms[8];
+    int parts = 0;
+    for (; parts < 8; ++parts) {
+      const int64_t col = b * BLOCK + 8 * parts;
+      if (col >= sc.N) break;
+      const __m256i m = ms[parts] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(8, sc.N - col))), lane);
+      __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * BLOCK + 8 * parts));
+      if ((parts / 2) & 1) a = _mm256_srai_epi32(a, 4);  // screen_chunk left the odd vectors' nibbles 16x: exact
+      const __m256i h = _mm256_sub_epi32(a, _mm256_set1_epi32(8 * static_cast<int32_t>(sum_q[r])));
+      est[parts] = _mm256_mul_ps(
+          _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(16.f)),
+                        _mm256_mul_ps(_mm256_maskload_ps(sc.mean + col, m), _mm256_set1_ps(sum_q[r]))),
+          _mm256_maskload_ps(sc.ws + col, m));
+      const __m256 lo = _mm256_sub_ps(est[parts], _mm256_mul_ps(_mm256_set1_ps(zq[r]), _mm256_maskload_ps(sc.margin + col, m)));
+      lo_r = _mm256_blendv_ps(lo_r, _mm256_max_ps(lo_r, lo), _mm256_castsi256_ps(m));
+    }
+    Found& f = found[r];
+    alignas(32) float lows[8];
+    _mm256_store_ps(lows, lo_r);
+    for (const float v : lows) f.floor = std::max(f.floor, v);
+    const __m256 fv = _mm256_set1_ps(f.floor), zv = _mm256_set1_ps(zq[r]);
+    for (int i = 0; i < parts; ++i) {
+      const int64_t col = b * BLOCK + 8 * i;
+      const __m256 up = _mm256_add_ps(est[i], _mm256_mul_ps(zv, _mm256_maskload_ps(sc.margin + col, ms[i])));
+      unsigned keep = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(up, fv, _CMP_GE_OQ), _mm256_castsi256_ps(ms[i])));
+      if (!keep) continue;
+      alignas(32) float e[8];
+      _mm256_store_ps(e, est[i]);
+      for (; keep; keep &= keep - 1) {
+        const int l = __builtin_ctz(keep);
+        f.v.push_back(static_cast<int32_t>(col + l));
+        f.est.push_back(e[l]);
+      }
+    }
+  }
+#else
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int r = 0; r < R; ++r) {
     __m512 est[4], lo_r = _mm512_set1_ps(-INFINITY);
@@ -153,6 +195,7 @@ void estimate(const Screen& sc, const int32_t* acc, const float* sum_q, const fl
       f.v.resize(at + __builtin_popcount(keep)), f.est.resize(at + __builtin_popcount(keep));
     }
   }
+#endif
 }
 
 // Exact (w + 128) . q - 128 sum(q) = w . q for one row-major int8 weight row (q: signed, zero-padded to 64).
