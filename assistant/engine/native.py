@@ -106,8 +106,8 @@ and removes a leftover `lock`.
 AVX2 CPUs (2026-12-01). Without AVX-512, a CPU with AVX2 and FMA builds the same sources against
 csrc/avx512_on_avx2.h (SIMDe maps each 512-bit intrinsic onto two 256-bit halves; the header says why the
 bits are meant to stay the AVX-512 build's, and tests/test_engine_kernels.py compares the builds wherever both
-run). Emulated vpdpbusd widens every byte, so int8_common.h `dot_tile` has an AVX2 body (vpmaddubsw on |x| and
-the sign-flipped weight), and prompt chunks get `int_mm` over the same packed weights, since oneDNN's `_int_mm`
+run). Emulated vpdpbusd widens every byte, so int8_common.h has an AVX2 tile, `dot_tile_ymm` (vpmaddubsw on |x|
+and the sign-flipped weight), and prompt chunks get `int_mm` over the same packed weights, since oneDNN's `_int_mm`
 has no VNNI there. 2 Zen 3 cores, 0.5B, against the PyTorch-op path this replaced, same run: the model's step
 at 300 tokens of context 102 -> 35-42 ms at 1 row, 259 -> 134-153 ms at 8; through the engine, decode
 18.4-20.2 -> 23.2-27.0 tok/s (1.5B: 5.65-5.9 -> 8.2-10.0), the same tokens. Tried and dropped: one group of 16 outputs per pass in
@@ -115,12 +115,13 @@ at 300 tokens of context 102 -> 35-42 ms at 1 row, 259 -> 134-153 ms at 8; throu
 Steps of several rows (2026-12-01, later): perf showed SIMDe's code, not the arithmetic, in their hot loops. The
 tiles' accumulators, kept as emulated __m512i, were spilled and stored twice per multiply-add; vpermt2ps (the
 attention scores' merge tree) ran lane by lane; vscalefps (exp's 2^n) called exp2f per lane; the value sums' FMAs
-went through general registers. Each now has an AVX2 body on ymm registers of its own (int8_common.h
-`dot_tile_ymm` for the linears and the head's screen, the head's exact candidate dots, layer_ops.cpp `scores16`
-and `weigh_heads_ymm`, exp16's two exact power-of-two products), the same IEEE operations on the same values:
-149 kernel outputs compared with the previous AVX2 build were the same to the bit (linears at 1-31 rows, the
-head at 1-16, attention over fp32 and bf16 caches up to 1,000 keys, SwiGLU; a build of the previous sources, one process), except SwiGLU
-at gates below -88.4, where the emulation's 2^128 overflowed to inf and now is vscalefps's finite value. The
+went through general registers; the head's estimates used emulated masked loads and compress-stores. Each now
+has an AVX2 body on ymm registers of its own (int8_common.h `dot_tile_ymm` for the linears and the head's screen,
+the head's estimates and exact candidate dots, layer_ops.cpp `scores16` and `weigh_heads_ymm`, exp16's two
+exact power-of-two products), the same IEEE operations on the same values: 149 kernel outputs compared with a
+build of the previous sources in one process were the same to the bit (linears at 1-31 rows, the head at 1-16,
+attention over fp32 and bf16 caches up to 1,000 keys, SwiGLU), except SwiGLU at gates below -88.4, where the
+emulation's 2^128 overflowed to inf and now is vscalefps's finite value (a test holds it). The
 linears alone, 24 layers of the 0.5B's shapes, alternating builds in one process: 8 rows 59.9 -> 44.5 ms, 16 rows
 116 -> 84. The model's step (300 tokens of context): 8 rows 123-133 -> 86-94 ms, 16 rows 222-245 -> 166-184;
 through the engine (bench/engine.py's decode-only phase, two pairs of alternating runs): 8 streams 65.8-74.0 ->

@@ -9,9 +9,10 @@
 // SIMDe 0.7.4 lacks. Every emulation is lane for lane the same IEEE operation (FMA stays fused: -mfma), and the
 // horizontal reductions follow GCC's own order (avx512fintrin.h `__MM512_REDUCE_OP`), so that a build here computes
 // the same bits as the AVX-512 build (tests/test_engine_kernels.py compares the two builds on a CPU that runs both;
-// the machine this was written on had no AVX-512, so that comparison has not run yet). The hot integer loops have
-// AVX2 bodies of their own where the emulated vpdpbusd would be slow (int8_common.h `dot_tile`, int8_linear.cpp
-// `int_mm`); on this build every kernel test of tests/test_engine_kernels.py runs against its references.
+// the machine this was written on had no AVX-512, so that comparison has not run yet). The hot loops have AVX2
+// bodies of their own where the emulation is slow (int8_common.h `dot_tile_ymm` and exp16's 2^n, lm_head.cpp's
+// estimates and exact dots, layer_ops.cpp's attention, int8_linear.cpp `int_mm`; native.py has why and what they
+// gained); on this build every kernel test of tests/test_engine_kernels.py runs against its references.
 #pragma once
 #include <immintrin.h>
 
