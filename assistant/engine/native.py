@@ -123,7 +123,8 @@ build of the previous sources in one process were the same to the bit (linears a
 attention over fp32 and bf16 caches up to 1,000 keys, SwiGLU), except SwiGLU at gates below -88.4, where the
 emulation's 2^128 overflowed to inf and now is vscalefps's finite value (a test holds it). The
 linears alone, 24 layers of the 0.5B's shapes, alternating builds in one process: 8 rows 59.9 -> 44.5 ms, 16 rows
-116 -> 84. The model's step (300 tokens of context): 8 rows 123-133 -> 86-94 ms, 16 rows 222-245 -> 166-184;
+116 -> 84. The model's step (300 tokens of context): 8 rows 123-133 -> 86-94 ms, 16 rows 222-245 -> 166-184
+(then 77 and 154 ms with the head's estimates in AVX2 too, one run);
 through the engine (bench/engine.py's decode-only phase, two pairs of alternating runs): 8 streams 65.8-74.0 ->
 102.8-103.2 tok/s aggregate, one stream 25.6-26.9 -> 32.4-32.6.
 Standalone, a register-tile GEMM that owns its accumulators reaches ~90-100 GMAC/s on 2 Zen 3 cores at 8-16 rows
