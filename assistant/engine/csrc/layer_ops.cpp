@@ -123,8 +123,8 @@ void weigh_heads(int64_t n, const float* p, int64_t stride, int64_t count, const
 }
 
 #if !defined(__AVX512F__)
-// weigh_heads on the AVX2 build: the emulated 16-float accumulators went through general registers (SIMDe), a third
-// of an 8-row step's attention. Here one head at a time, in passes of up to 64 of its floats (W8 ymm accumulators),
+// weigh_heads on the AVX2 build: the emulated 16-float accumulators went through general registers (SIMDe), much
+// of an 8-row step's attention by perf. Here one head at a time, in passes of up to 64 of its floats (W8 ymm accumulators),
 // each accumulator the same chain of fused multiply-adds over the keys in order as its lanes above: the same bits.
 template <int W8, class E>
 void weigh_columns(const float* pj, int64_t count, const E* vp, const int64_t* ctx_slots, int64_t KVH, int64_t g,
