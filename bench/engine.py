@@ -234,7 +234,7 @@ def step_curve(engine, rows: list[int], context: int = 300, rounds: int = 3) -> 
             logits = model.lm_head.greedy_logits(x, torch.ones(r, dtype=torch.bool))
             took = time.perf_counter() - start
             # the engine's own argmax (native where it can): torch's leaves its OpenMP threads spinning into the
-            # next timed step, on the cores the kernels' pool needs (7-8% of an 8-row step, 2 cores, perf)
+            # next timed step, on the cores the kernels' pool needs (7-9% of an 8-row step's samples, 2 cores, perf)
             for b, token in enumerate(argmax(logits.float())):
                 last[b], ctx[b] = token, ctx[b] + 1
             return took
