@@ -141,9 +141,7 @@ void estimate(const Screen& sc, const int32_t* acc, const float* sum_q, const fl
       lo_r = _mm256_blendv_ps(lo_r, _mm256_max_ps(lo_r, lo), _mm256_castsi256_ps(m));
     }
     Found& f = found[r];
-    alignas(32) float lows[8];
-    _mm256_store_ps(lows, lo_r);
-    for (const float v : lows) f.floor = std::max(f.floor, v);
+    f.floor = std::max(f.floor, _mm512_reduce_max_ps(avx2c::join(lo_r, _mm256_set1_ps(-INFINITY))));
     const __m256 fv = _mm256_set1_ps(f.floor), zv = _mm256_set1_ps(zq[r]);
     for (int i = 0; i < parts; ++i) {
       const int64_t col = b * BLOCK + 8 * i;
@@ -218,9 +216,7 @@ inline int32_t dot_row(const int8_t* w, const int8_t* q, int64_t K, int32_t corr
     const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k));
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(qv), _mm256_sign_epi8(wv, qv)), ones));
   }
-  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-  const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-  int32_t t = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xB1)));
+  int32_t t = _mm512_reduce_add_epi32(avx2c::join(acc, _mm256_setzero_si256()));  // integers: any order is exact
   for (; k < K; ++k) t += static_cast<int32_t>(w[k]) * q[k];
   return t;
 #endif
