@@ -46,7 +46,7 @@ from assistant.compound import question_parts
 from assistant.config import AssistantConfig
 from assistant.context import ContextPlan, PromptParts, fit_prompt, passages_block, user_questions
 from assistant.counting import (LIST_ITEMS, MAX_ITEMS, MIN_LISTED, count_answer, counted_noun, listed_items,
-                                section_items, supported_items)
+                                named_members, section_items, supported_items)
 from assistant.engine.base import Engine, Message, SamplingParams
 from assistant.events import Notice, SafetyVerdict, TextDelta, ToolCallFinished, ToolCallStarted, TurnEvent
 from assistant.grounding import restates, says_anything
@@ -393,14 +393,15 @@ class AgentLoop:
         over the list something in the section names, else over the items the model lists. Returns
         whether it answered (no list of at least two items any passage holds: the ordinary answer)."""
         passages, heading = turn.ledger.passages, str(found.arguments.get("section") or "")
-        listed = section_items("\n".join(p.text for p in passages), counted_noun(user["content"]), heading)
+        noun = counted_noun(user["content"])
+        listed = section_items("\n".join(p.text for p in passages), noun, heading)
         how = "counted in code"
         if not listed:
             listed = self._listed_by_model(turn, user, context, params, cancel)
             how = "listed by the model, counted in code"
             if turn.finish == "cancelled":  # stopped while the model listed: the turn ends here, with nothing said
                 return True
-        items = supported_items(listed, passages)
+        items = supported_items(named_members(listed, noun), passages)
         if not items or len(items) > MAX_ITEMS or (len(items) < MIN_LISTED and how != "counted in code"):
             return False
         yield from emitter.emit(count_answer(user["content"], items))

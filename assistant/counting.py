@@ -32,6 +32,8 @@ Design note — counting over a whole section:
   model instead: asked in a call the user does not see (LIST_ITEMS) to copy out every item the
   question counts, one per line, which the 1.5B model that answers document turns does far better
   than counting (the 0.5B could do neither, above). `listed_items` reads its lines; code counts them.
+  A list that names more than an acronym the question counts ("How many RFCs ...": five RFC links and
+  Unicode's TR46) counts the members that carry the acronym (`named_members`).
   An item counts only where a passage shown to the model holds it (`supported_items`), which also
   gives its citation and drops what the model made up; fewer than MIN_LISTED such items, and the
   ordinary answer with the whole section in context is given instead.
@@ -188,6 +190,22 @@ def names_plural_head(lead_in: str, noun: str) -> bool:
     instead." introduces functions, not "ASN.1 types". A singular is no list's name ("The full lookup order
     for a variable is:" does not introduce "top-level variables")."""
     return holds_plural_head(lead_in, noun, HEAD_WORDS)  # "... may be used instead." names no types
+
+
+ACRONYM = re.compile(r"[A-Z]{2,}s?")  # a counted noun written as an acronym: "RFCs", "URLs"
+
+
+def named_members(items: Sequence[str], noun: str) -> list[str]:
+    """The items that carry the counted acronym's name, when most but not all of a list's items do: "How many
+    RFCs does the libidn2 manual's introduction point to?" counts the five links to an rfc58xx of a list that
+    also links Unicode's TR46 (a dev count answered 6 so). Only an acronym: it names a kind of identifier that
+    each member spells out, where a plain noun ("functions") is also a word of other items' descriptions."""
+    head = noun.split()[-1] if noun.split() else ""
+    if not ACRONYM.fullmatch(head):
+        return list(items)
+    name = re.compile(rf"(?<![A-Za-z]){re.escape(stem(head))}s?(?![A-Za-z])", re.I)  # "rfc5890", "RFC 3492", not "idle"
+    holding = [item for item in items if name.search(item)]
+    return holding if 2 * len(holding) >= len(items) and 0 < len(holding) < len(items) else list(items)
 
 
 def supported_items(items: Sequence[str], passages: Sequence[Passage]) -> list[tuple[str, int]]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from assistant.citations import SourceLedger
 from assistant.citations import SourceLedger, verify_citations
-from assistant.counting import count_answer, counted_noun, listed_items, section_items, supported_items
+from assistant.counting import count_answer, counted_noun, listed_items, named_members, section_items, supported_items
 from tools.retrieval import DocumentPrefetch, RetrieverHandle, named_documents, named_section, retrieval_query
 
 
@@ -368,3 +368,21 @@ def test_a_question_naming_two_documents_gets_passages_from_each():
         assert retriever.filters == [None], question
     named = named_documents("How do the SQLite limits page and the datatypes page differ?", retriever.documents())
     assert list(named) == ["sqlite-datatypes.docx", "sqlite-limits.html"]
+
+
+def test_an_acronym_counts_only_the_members_that_carry_its_name():
+    links = ["IDNA2008 Framework (https://tools.ietf.org/html/rfc5890)", "IDNA2008 Protocol (https://tools.ietf.org/html/rfc5891)",
+             "IDNA2008 Unicode tables (https://tools.ietf.org/html/rfc5892)", "IDNA2008 Bidi rule (https://tools.ietf.org/html/rfc5893)",
+             "Punycode (https://tools.ietf.org/html/rfc3492)",
+             "Unicode IDNA Compatibility Processing (http://www.unicode.org/reports/tr46/)"]
+    question = "How many RFCs does the libidn2 manual's introduction point to for technical reference?"
+    assert named_members(links, counted_noun(question)) == links[:5]
+    # a plain noun is also a word of the other items' descriptions: the list stays whole
+    functions = ["asn1_create_element: this function creates a structure", "asn1_delete_structure: this function deletes it",
+                 "asn1_read_value: reads a value"]
+    assert named_members(functions, "functions") == functions
+    ids = ["the session ID", "the user ID", "an idle timeout"]  # "IDs" is no prefix of "idle"
+    assert named_members(ids, "IDs") == ids[:2]
+    # every item, or fewer than half, carrying the name: the list is what the question counts
+    assert named_members(links[:5], "RFCs") == links[:5]
+    assert named_members(links[4:] + ["Unicode TR46", "UTS 46"], "RFCs") == links[4:] + ["Unicode TR46", "UTS 46"]
