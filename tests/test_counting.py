@@ -386,3 +386,24 @@ def test_an_acronym_counts_only_the_members_that_carry_its_name():
     # every item, or fewer than half, carrying the name: the list is what the question counts
     assert named_members(links[:5], "RFCs") == links[:5]
     assert named_members(links[4:] + ["Unicode TR46", "UTS 46"], "RFCs") == links[4:] + ["Unicode TR46", "UTS 46"]
+
+
+class ReferencesRetriever(FakeRetriever):
+    """A section whose list holds three RFCs and one report that is not one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits = [Hit("c4", "d1", "/docs/mailer.pdf", 2, "References",
+                         "The mailer follows SMTP (RFC 5321), Message format (RFC 5322), MIME bodies (RFC 2045) and "
+                         "Unicode collation (UTS 10).")]
+
+
+def test_a_count_of_an_acronym_through_the_agent_loop_counts_only_its_members(tmp_path):
+    from assistant.events import Done
+    from tests.agent_fakes import make_assistant
+
+    listing = "- SMTP (RFC 5321)\n- Message format (RFC 5322)\n- MIME bodies (RFC 2045)\n- Unicode collation (UTS 10)"
+    assistant, _ = make_assistant(tmp_path, listing, retriever=ReferencesRetriever())
+    done = list(assistant.turn(None, "How many RFCs does the References section list?"))[-1]
+    assert isinstance(done, Done) and done.text.startswith("There are 3 RFCs"), done.text
+    assert "RFC 2045" in done.text and "UTS 10" not in done.text
