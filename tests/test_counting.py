@@ -248,14 +248,19 @@ def test_a_table_of_rules_only_is_no_list():
     assert section_items("Options\n|---|\n| --- | --- |\nSome prose.", "options", "Options") == []
 
 
-class ProseRetriever(FakeRetriever):
-    """One section whose items run through prose: no list for the code to find."""
+class OneSection(FakeRetriever):
+    """A library whose every search finds one hit, `hit`'s section."""
 
-    def __init__(self) -> None:
+    def __init__(self, hit: Hit) -> None:
         super().__init__()
-        self.hits = [Hit("c3", "d1", "/docs/a.pdf", 5, "Modifiers",
-                         "The modifiers are start of month, start of year, weekday N, unixepoch and localtime; "
-                         "utc converts back.")]
+        self.hits = [hit]
+
+
+def prose_section() -> OneSection:
+    """One section whose items run through prose: no list for the code to find."""
+    return OneSection(Hit("c3", "d1", "/docs/a.pdf", 5, "Modifiers",
+                          "The modifiers are start of month, start of year, weekday N, unixepoch and localtime; "
+                          "utc converts back."))
 
 
 def test_a_section_without_a_list_is_listed_by_the_model_and_counted_in_code(tmp_path):
@@ -263,7 +268,7 @@ def test_a_section_without_a_list_is_listed_by_the_model_and_counted_in_code(tmp
     from tests.agent_fakes import make_assistant
 
     listing = "- start of month [1]\n- start of year\n- weekday N\n- unixepoch.\n- weekday N\n- sunset\n- localtime"
-    assistant, engine = make_assistant(tmp_path, listing, retriever=ProseRetriever())
+    assistant, engine = make_assistant(tmp_path, listing, retriever=prose_section())
     done = list(assistant.turn(None, "How many modifiers does the Modifiers section describe?"))[-1]
     assert isinstance(done, Done) and done.text.startswith("There are 5 modifiers")  # a repeat and "sunset" do not count
     assert "- weekday N [1]" in done.text and "sunset" not in done.text and len(engine.prompts) == 1
@@ -272,19 +277,14 @@ def test_a_section_without_a_list_is_listed_by_the_model_and_counted_in_code(tmp
     assert "Copy out every item the question counts" in engine.prompts[0][-1]["content"]
 
 
-class OperatorsRetriever(FakeRetriever):
-    def __init__(self) -> None:
-        super().__init__()
-        self.hits = [Hit("c4", "d1", "/docs/a.pdf", 6, "Operators",
-                         "Mathematical operators (+, -, *, /, and |) interpret both operands as if they were numbers.")]
-
-
 def test_a_count_of_symbols_keeps_the_markers_code_gave_its_items(tmp_path):
     # "- * [1]" holds no words: read as a model's claim its marker went, and the count cited nothing
     from assistant.events import Done, Sources
     from tests.agent_fakes import make_assistant
 
-    assistant, _ = make_assistant(tmp_path, "- +\n- -\n- *\n- /\n- |", retriever=OperatorsRetriever())
+    assistant, _ = make_assistant(tmp_path, "- +\n- -\n- *\n- /\n- |", retriever=OneSection(Hit(
+        "c4", "d1", "/docs/a.pdf", 6, "Operators",
+        "Mathematical operators (+, -, *, /, and |) interpret both operands as if they were numbers.")))
     events = list(assistant.turn(None, "How many mathematical operators does the Operators section list?"))
     done = events[-1]
     assert isinstance(done, Done) and done.text.startswith("There are 5 mathematical operators")
@@ -299,7 +299,7 @@ def test_a_listing_with_fewer_than_two_held_items_falls_back_to_the_answer(tmp_p
     from tests.agent_fakes import make_assistant
 
     assistant, engine = make_assistant(tmp_path, "- sunset\n- moonrise", "Five modifiers are described [1].",
-                                       retriever=ProseRetriever())
+                                       retriever=prose_section())
     done = list(assistant.turn(None, "How many modifiers does the Modifiers section describe?"))[-1]
     assert done.text.startswith("Five modifiers are described") and len(engine.prompts) == 2
 
@@ -311,7 +311,7 @@ def test_a_turn_cancelled_while_the_model_lists_ends_without_an_answer(tmp_path)
     from tests.agent_fakes import make_assistant
 
     assistant, engine = make_assistant(tmp_path, "- start of month\n- start of year\n- weekday N",
-                                       "Five modifiers are described [1].", retriever=ProseRetriever())
+                                       "Five modifiers are described [1].", retriever=prose_section())
     cancel = threading.Event()
     cancel.set()
     done = list(assistant.orchestrator.run_turn(None, "How many modifiers does the Modifiers section describe?",
@@ -388,22 +388,14 @@ def test_an_acronym_counts_only_the_members_that_carry_its_name():
     assert named_members(links[4:] + ["Unicode TR46", "UTS 46"], "RFCs") == links[4:] + ["Unicode TR46", "UTS 46"]
 
 
-class ReferencesRetriever(FakeRetriever):
-    """A section whose list holds three RFCs and one report that is not one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.hits = [Hit("c4", "d1", "/docs/mailer.pdf", 2, "References",
-                         "The mailer follows SMTP (RFC 5321), Message format (RFC 5322), MIME bodies (RFC 2045) and "
-                         "Unicode collation (UTS 10).")]
-
-
 def test_a_count_of_an_acronym_through_the_agent_loop_counts_only_its_members(tmp_path):
     from assistant.events import Done
     from tests.agent_fakes import make_assistant
 
     listing = "- SMTP (RFC 5321)\n- Message format (RFC 5322)\n- MIME bodies (RFC 2045)\n- Unicode collation (UTS 10)"
-    assistant, _ = make_assistant(tmp_path, listing, retriever=ReferencesRetriever())
+    references = Hit("c4", "d1", "/docs/mailer.pdf", 2, "References", "The mailer follows SMTP (RFC 5321), Message format "
+                     "(RFC 5322), MIME bodies (RFC 2045) and Unicode collation (UTS 10).")  # three RFCs and a report
+    assistant, _ = make_assistant(tmp_path, listing, retriever=OneSection(references))
     done = list(assistant.turn(None, "How many RFCs does the References section list?"))[-1]
     assert isinstance(done, Done) and done.text.startswith("There are 3 RFCs"), done.text
     assert "RFC 2045" in done.text and "UTS 10" not in done.text
