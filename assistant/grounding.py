@@ -52,7 +52,7 @@ FACT = re.compile(
 META = re.compile(  # a sentence about where the answer was read, not part of it ("It is found in passages [1] and [3].")
     r"^\W*(?:(?:it|this|that|these|the answer|th(?:is|ese) \w+|the (?:relevant )?information)\s+(?:is|are|was|were|can be|"
     r"could be|may be)\s+(?:\w+\s+){0,2}?(?:found|stated|cited|indicated|mentioned|given|described|located|listed|"
-    r"explained|shown|provided|taken|documented)\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w)"
+    r"explained|shown|provided|taken|documented|seen|noted|referenced|specified)\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w)"
     r"|\s+(?:in|from|at|on|by)(?:\W+(?:and|or))*\W*$)"  # "It is cited in [1] and [3].", its markers removed
     r"|the passages?\b.{0,120}?\b(?:provides?|contains?|gives?|holds?)\s+(?:the\s+|this\s+)?(?:relevant\s+)?information\b)",
     re.I | re.S)
