@@ -52,12 +52,17 @@ FACT = re.compile(
 META = re.compile(  # a sentence about where the answer was read, not part of it ("It is found in passages [1] and [3].")
     r"^\W*(?:(?:it|this|that|these|the answer|th(?:is|ese) \w+|the (?:relevant )?information)\s+(?:is|are|was|were|can be|"
     r"could be|may be)\s+(?:\w+\s+){0,2}?(?:found|stated|cited|indicated|mentioned|given|described|located|listed|"
-    r"explained|shown|provided|taken|documented|seen|noted|referenced|specified)\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w)"
+    r"explained|shown|provided|taken|documented|seen|noted|referenced|specified|written)\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w)"
     r"|\s+(?:in|from|at|on|by)(?:\W+(?:and|or))*\W*$)"  # "It is cited in [1] and [3].", its markers removed
     r"|the passages?\b.{0,120}?\b(?:provides?|contains?|gives?|holds?)\s+(?:the\s+|this\s+)?(?:relevant\s+)?information\b)",
     re.I | re.S)
 SENTENCES = re.compile(r"(?<=[.!?])[ \t]+(?=[A-Z`\"'(\[*-])|\n+")
 MARKERS = re.compile(r"\[\d{1,3}(?:\s*,\s*\d{1,3})*\]")
+POINTER_CLAUSE = re.compile(  # ", as stated in the first passage [1]", ", which is in passage [3]": where, not what
+    r",?[ \t]+(?:as[ \t]+)?(?:which[ \t]+(?:is|are)[ \t]+)?(?:(?:is|are|was|were)[ \t]+)?"
+    r"(?:(?:stated|mentioned|shown|given|found|written|described|seen|noted|indicated|listed)[ \t]+)?"
+    r"(?:in|from)[ \t]+(?:the[ \t]+)?(?:(?:first|second|third|fourth|fifth|last|same|above|cited)[ \t]+)?"
+    r"(?-i:passages?)(?:[ \t]+from)?(?=[ \t]*(?:\[\d|[.!?](?:\s|$)|$))", re.I)
 LEADING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][\s.]*)+(?=\w)")  # markers before any word
 OPENING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][ \t]*)+")
 REFUSAL = "The documents I searched do not say."
@@ -89,13 +94,17 @@ class Grounding:
 def strip_echoes(answer: str) -> str:
     """The answer without passage headers copied from the context ("[2] doc.pdf p. 4: …"), without
     markers before its first word (they cite nothing), and without sentences after the first that
-    only say where it was read ("It is found in the passage from …"): the user never saw "the
-    passages", and the sources already say where each fact comes from."""
+    only say where it was read ("It is found in the passage from …"), nor such clauses (", as stated in
+    the first passage [1]"): the user never saw "the passages", and the sources already say where each
+    fact comes from."""
     text = LEADING_MARKERS.sub("", answer)  # "[1] The version is 0.21 [1].": a first reply that was only "[1]"
     meta = [s for s in _sentences(text)[1:] if META.match(MARKERS.sub("", s))]  # before the headers go: "p. 3" says it
     for sentence in meta:
         text = text.replace(sentence, "", 1)
     text = ECHO.sub("", text)
+    pointed = POINTER_CLAUSE.sub("", text)
+    if pointed != text and says_anything(pointed):
+        return re.sub(r"[ \t]{2,}", " ", pointed).strip()
     return re.sub(r"[ \t]{2,}", " ", text).strip() if meta else text
 
 

@@ -108,6 +108,21 @@ def test_sentences_that_only_say_where_the_answer_was_read_are_removed():
         assert strip_echoes(kept) == kept
 
 
+def test_clauses_that_only_say_where_a_fact_was_read_are_removed():
+    # dev answers (2026-12-01): the user never saw "the passages"; the sources say where each fact is from
+    for said, shown in (
+            ("The spec's version is 0.21, as stated in the first passage [1].", "The spec's version is 0.21 [1]."),
+            ("The CPU was a Core i7-6700K CPU @ 4.0GHz, which is in passage [3].", "The CPU was a Core i7-6700K CPU @ 4.0GHz [3]."),
+            ("The manual describes version 2.3.3, as stated in the passage from [1] libidn2.pdf p. 1.",
+             "The manual describes version 2.3.3"),
+            ("It goes into globs2 [1]. This is written in [1] shared-mime-info-spec.pdf p. 7.", "It goes into globs2 [1].")):
+        assert strip_echoes(said) == shown
+    for kept in ("REAL comes first in the order shown in the passage, which says FLOAT gives REAL [1].",  # a clause goes on
+                 "The ships anchored in the Passage [2].",  # a name, not the context
+                 "Read the passage from the manual aloud [2]."):
+        assert strip_echoes(kept) == kept
+
+
 def test_a_turn_over_documents_refuses_a_made_up_fact_and_cites_nothing(tmp_path):
     assistant, _ = make_assistant(tmp_path, "The Zephyr X2 weighs 2.5 kg [1].", "The warranty period is 7 years [1].",
                                   retriever=FakeRetriever(MANUAL))
