@@ -63,6 +63,9 @@ POINTER_CLAUSE = re.compile(  # ", as stated in the first passage [1]", ", which
     r"(?:(?:stated|mentioned|shown|given|found|written|described|seen|noted|indicated|listed)[ \t]+)?"
     r"(?:in|from)[ \t]+(?:the[ \t]+)?(?:(?:first|second|third|fourth|fifth|last|same|above|cited)[ \t]+)?"
     r"(?-i:passages?)(?:[ \t]+from)?(?=[ \t]*(?:\[\d|[.!?](?:\s|$)|$))", re.I)
+PASSAGE_SENTENCE = re.compile(  # "The passage from zstd-README.md p. 1 (section …) provides the command [1].", after the answer
+    r"(?<=[.!?\]])[ \t]+(?:The|This)[ \t]+passages?[ \t]+(?:from|in|on)[ \t]+[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)"
+    r"[ \t]+p\.[ \t]*\d+(?:[ \t]*\([^()\n]*\))?[^.!?\n]*[.!?](?:[ \t]*\[\d{1,3}(?:\s*,\s*\d{1,3})*\])?")
 LEADING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][\s.]*)+(?=\w)")  # markers before any word
 OPENING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][ \t]*)+")
 REFUSAL = "The documents I searched do not say."
@@ -98,6 +101,7 @@ def strip_echoes(answer: str) -> str:
     the first passage [1]"): the user never saw "the passages", and the sources already say where each
     fact comes from."""
     text = LEADING_MARKERS.sub("", answer)  # "[1] The version is 0.21 [1].": a first reply that was only "[1]"
+    text = PASSAGE_SENTENCE.sub("", text)  # its header's "(section …: 3 [1]. …)" would split it into two sentences
     meta = [s for s in _sentences(text)[1:] if META.match(MARKERS.sub("", s))]  # before the headers go: "p. 3" says it
     for sentence in meta:
         text = text.replace(sentence, "", 1)
