@@ -109,7 +109,7 @@ def test_sentences_that_only_say_where_the_answer_was_read_are_removed():
 
 
 def test_clauses_that_only_say_where_a_fact_was_read_are_removed():
-    # dev answers (2026-12-01): the user never saw "the passages"; the sources say where each fact is from
+    # eval answers (2026-12-01): the user never saw "the passages"; the sources say where each fact is from
     for said, shown in (
             ("The spec's version is 0.21, as stated in the first passage [1].", "The spec's version is 0.21 [1]."),
             ("The CPU was a Core i7-6700K CPU @ 4.0GHz, which is in passage [3].", "The CPU was a Core i7-6700K CPU @ 4.0GHz [3]."),
