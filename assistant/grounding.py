@@ -38,7 +38,10 @@ from typing import Callable, Iterable, Sequence
 from assistant.citations import (NUMBER_WORDS, Passage, content_words, counted_noun, fold_text,  # noqa: F401
                                  mentions, specific_terms, stem)
 
-ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
+DOC_PAGE = r"[\w.+-]+\.(?i:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"  # "libidn2.pdf p. 6", as passages are headed
+POINTER_VERBS = ("found|stated|cited|indicated|mentioned|given|described|located|listed|explained|shown|provided|taken|"
+                 "documented|seen|noted|referenced|specified|written")  # "it is <verb> in passage [2]": where, not what
+ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?" + DOC_PAGE +
                   r"(?:[ \t]*\(section[^)\n]*\))?(?:[ \t]*:[ \t]*|(?:[ \t]*\[\d{1,3}\])?[ \t.]*$)", re.I | re.M)
 CODE_BLOCK = re.compile(r"```.*?(?:```|$)", re.S)
 FACT = re.compile(
@@ -51,8 +54,7 @@ FACT = re.compile(
     r"|\b[A-Za-z]\w*\.[A-Za-z]\w*\b")  # file.ext, module.name
 META = re.compile(  # a sentence about where the answer was read, not part of it ("It is found in passages [1] and [3].")
     r"^\W*(?:(?:it|this|that|these|the answer|th(?:is|ese) \w+|the (?:relevant )?information)\s+(?:is|are|was|were|can be|"
-    r"could be|may be)\s+(?:\w+\s+){0,2}?(?:found|stated|cited|indicated|mentioned|given|described|located|listed|"
-    r"explained|shown|provided|taken|documented|seen|noted|referenced|specified|written)\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w)"
+    r"could be|may be)\s+(?:\w+\s+){0,2}?(?:" + POINTER_VERBS + r")\b(?=.*\b(?:passages?|documents?|documentation|manual|section|p\.)(?!\w)"
     r"|\s+(?:in|from|at|on|by)(?:\W+(?:and|or))*\W*$)"  # "It is cited in [1] and [3].", its markers removed
     r"|the passages?\b.{0,120}?\b(?:provides?|contains?|gives?|holds?)\s+(?:the\s+|this\s+)?(?:relevant\s+)?information\b)",
     re.I | re.S)
@@ -60,12 +62,12 @@ SENTENCES = re.compile(r"(?<=[.!?])[ \t]+(?=[A-Z`\"'(\[*-])|\n+")
 MARKERS = re.compile(r"\[\d{1,3}(?:\s*,\s*\d{1,3})*\]")
 POINTER_CLAUSE = re.compile(  # ", as stated in the first passage [1]", ", which is in passage [3]": where, not what
     r",?[ \t]+(?:as[ \t]+)?(?:which[ \t]+(?:is|are)[ \t]+)?(?:(?:is|are|was|were)[ \t]+)?"
-    r"(?:(?:stated|mentioned|shown|given|found|written|described|seen|noted|indicated|listed)[ \t]+)?"
+    r"(?:(?:" + POINTER_VERBS + r")[ \t]+)?"
     r"(?:in|from)[ \t]+(?:the[ \t]+)?(?:(?:first|second|third|fourth|fifth|last|same|above|cited)[ \t]+)?"
     r"(?-i:passages?)(?:[ \t]+from)?(?=[ \t]*(?:\[\d|[.!?](?:\s|$)|$))", re.I)
 PASSAGE_SENTENCE = re.compile(  # "The passage from zstd-README.md p. 1 (section …) provides the command [1].", after the answer
-    r"(?<=[.!?\]])[ \t]+(?:The|This)[ \t]+passages?[ \t]+(?:from|in|on)[ \t]+[\w.+-]+\.(?:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)"
-    r"[ \t]+p\.[ \t]*\d+(?:[ \t]*\([^()\n]*\))?[^.!?\n]*[.!?](?:[ \t]*\[\d{1,3}(?:\s*,\s*\d{1,3})*\])?")
+    r"(?<=[.!?\]])[ \t]+(?:The|This)[ \t]+passages?[ \t]+(?:from|in|on)[ \t]+" + DOC_PAGE +
+    r"(?:[ \t]*\([^()\n]*\))?[^.!?\n]*[.!?](?:[ \t]*" + MARKERS.pattern + ")?")
 LEADING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][\s.]*)+(?=\w)")  # markers before any word
 OPENING_MARKERS = re.compile(r"^\s*(?:\[\d{1,3}(?:\s*,\s*\d{1,3})*\][ \t]*)+")
 REFUSAL = "The documents I searched do not say."
