@@ -32,14 +32,6 @@ and "which function deletes a whole ASN.1 structure" was refused. How often a ca
 identifier does not tell the two apart: "ASN.1" and "asn1Decoding" are each in 8-9 of 50 candidates
 there. On the eval library's dev questions, the four passages held every expected string for 64 of
 74 answerable non-count questions before and 66 after; on the held-out test part, 72 -> 75 of 80.
-
-Index and contents pages last. A PDF manual's index ("asn1_dup_node . . . . . . 19") and table of
-contents name every function and section, so they match a query's words and, above all, its
-identifiers, but they hold no fact to answer from: in the eval library 98 of 762 chunks are such
-lists, and they took 10 of the dev questions' prefetched places ("How much space must the tl buffer of
-asn1_encode_simple_der have…" got two index chunks of page 36 and lost ASN1_MAX_TL_SIZE to fifth
-place). A chunk whose text is mostly dot leaders (`LEADER_SHARE`) goes after every other hit, in
-fused order; it is still found when nothing else is.
 """
 
 from __future__ import annotations
@@ -61,8 +53,6 @@ RULE = re.compile(r"\|(?:\s*:?-{3,}:?\s*\|)+")  # "| --- | :---: |", under a tab
 IDENTIFIER = re.compile(r"(?<![\w.-])(?:(?=[\w.-]*\d)(?=[\w.-]*[^\W\d_])[^\W_][\w.-]*[^\W_]|[^\W\d_]\w*_\w+)(?![\w-])")
 
 
-LEADERS = re.compile(r"(?:\.\s?){4,}")  # ". . . . ." or "....." between an entry and its page number
-LEADER_SHARE = 0.3  # of a chunk's characters in dot leaders: an index or contents page (eval library: 0 or >= 0.55)
 TITLE_CHARS, TITLE_LINES = 200, 2  # of a document's first page: its title, what every chunk of it is about
 TITLE_MIN_CHUNKS = 3  # a document of at most this many chunks is a note: no title is discounted
 CACHED_CHUNK_DOCS = 8  # documents whose chunk lists (for `section`) are kept between calls
@@ -71,11 +61,6 @@ CACHED_CHUNK_DOCS = 8  # documents whose chunk lists (for `section`) are kept be
 def query_identifiers(query: str) -> list[str]:
     """Identifier-like tokens of a query, in order, without a trailing sentence dot."""
     return list(dict.fromkeys(m.group(0).rstrip(".") for m in IDENTIFIER.finditer(query)))
-
-
-def is_index(text: str) -> bool:
-    """Whether `text` is a stretch of an index or a table of contents: mostly dot leaders."""
-    return sum(len(m) for m in LEADERS.findall(text)) >= LEADER_SHARE * max(1, len(text))
 
 
 def contains_identifier(text: str, identifiers: list[str]) -> bool:
@@ -171,7 +156,6 @@ class Retriever:
             df = [sum(row[j] for row in held) for j in range(len(identifiers))]
             weight = [sum(1 / df[j] for j, has in enumerate(row) if has) for row in held]
             hits = [h for _, h in sorted(zip(weight, hits), key=lambda pair: -pair[0])]  # stable: fused order within
-        hits.sort(key=lambda h: is_index(h.text))  # index and contents pages last (module docstring); stable
         return distinct(hits)[:k]
 
     def similarity(self, query: str, filters: dict[str, Any] | None = None) -> float:

@@ -230,38 +230,6 @@ def test_an_identifier_of_the_documents_own_title_moves_nothing():
     assert [h.chunk_id for h in hits] == ["id-rare", "id-target", "id-00"]
 
 
-def test_index_and_contents_pages_come_after_every_other_hit():
-    # A manual's index names every function, so the identifier rule put two index chunks of page 36
-    # first for "How much space must the tl buffer of asn1_encode_simple_der have…", and the chunk with
-    # ASN1_MAX_TL_SIZE fell to fifth place (dev tasn1-202). Index and contents chunks now go last.
-    from ingest.index_base import ScoredPayload
-    from ingest.retriever import is_index
-
-    index_text = ("asn1_decode_simple_ber . . . . . . . . . . . . . . . 25\n"
-                  "asn1_encode_simple_der . . . . . . . . . . . . . . . 19\nasn1_dup_node. . . . . . . . . . . 19")
-    contents = "3 Utilities ........................................ 4\n4 Function reference ......................... 9"
-    answer = "asn1_encode_simple_der: the tl buffer must hold at least ASN1_MAX_TL_SIZE bytes."
-    assert is_index(index_text) and is_index(contents)
-    assert not is_index(answer) and not is_index("Wait... then retry. See 4.2... and so on.") and not is_index("")
-
-    class FixedIndex:
-        def query(self, **_: object) -> list:
-            def chunk(cid: str, score: float, text: str) -> ScoredPayload:
-                return ScoredPayload(cid, score, {"doc_id": "d", "path": "/m/a.txt", "page": 1, "text": text})
-            return [chunk("id-index", 0.05, index_text), chunk("id-toc", 0.04, contents),
-                    chunk("id-answer", 0.03, answer), chunk("id-other", 0.02, "Other prose about DER encodings.")]
-
-        def scroll(self, where: dict, **_: object) -> list:
-            return []
-
-    retriever = Retriever(FixedIndex(), HashEmbedder(DIM))
-    hits = retriever.search("How much space must the tl buffer of asn1_encode_simple_der have?", k=3)
-    # the index after every other hit, even one without the identifier
-    assert [h.chunk_id for h in hits] == ["id-answer", "id-other", "id-index"]
-    hits = retriever.search("function reference", k=4)
-    assert [h.chunk_id for h in hits] == ["id-answer", "id-other", "id-index", "id-toc"]
-
-
 def test_a_documents_chunks_are_read_once_per_version(tmp_path):
     # a count question tries the sections of up to ten hits: each read had scrolled all of the
     # document's chunks again; a re-ingested document must still be read anew
