@@ -38,7 +38,8 @@ from typing import Callable, Iterable, Sequence
 from assistant.citations import (NUMBER_WORDS, Passage, content_words, counted_noun, fold_text,  # noqa: F401
                                  mentions, specific_terms, stem)
 
-DOC_PAGE = r"[\w.+-]+\.(?i:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"  # "libidn2.pdf p. 6", as passages are headed
+# "libidn2.pdf p. 6", as passages are headed
+DOC_PAGE = r"[\w.+-]+\.(?i:pdf|html?|md|markdown|docx?|txt|rst|odt|epub)[ \t]+p\.[ \t]*\d+"
 POINTER_VERBS = ("found|stated|cited|indicated|mentioned|given|described|located|listed|explained|shown|provided|taken|"
                  "documented|seen|noted|referenced|specified|written")  # "it is <verb> in passage [2]": where, not what
 ECHO = re.compile(r"(?:\[\d{1,3}\][ \t]*)?" + DOC_PAGE +
